@@ -1,0 +1,276 @@
+"""Drop-in modules: ``FusedBNReLUConv2d``, ``FusedPreActBlock``, ``FusedPreActBottleneck``.
+
+Every module holds plain ``nn.BatchNorm2d`` and ``nn.Conv2d`` children, so parameters, buffers and
+state_dict keys are exactly those of the eager modules they replace, and ``.eval()``, momentum,
+``momentum=None`` (cumulative average), ``affine=False`` and ``track_running_stats=False`` behave as
+in ``nn.BatchNorm2d``. Only ``forward`` differs: it runs the fused op (``fused_preact.ops``) when a
+fused backend can serve the input and the reference PyTorch path otherwise. The backend that ran
+is in ``module.last_backend`` and any fallback's reason in ``module.fallback_reason``.
+
+Source: He, Zhang, Ren, Sun, "Identity Mappings in Deep Residual Networks", ECCV 2016, Fig. 4(e)
+(full pre-activation unit) and §4 (projection shortcut on the pre-activated input).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fused_preact.backends import select_backend
+from fused_preact.ops import bn_relu_conv2d_with_stats, bn_statistics
+
+__all__ = ["FusedBNReLUConv2d", "FusedPreActBlock", "FusedPreActBottleneck", "fused_bn_relu_convs"]
+
+logger = logging.getLogger("fused_preact")
+
+
+def _bn_forward_args(bn: nn.BatchNorm2d):
+    """``nn.BatchNorm2d.forward``'s prologue: (use batch stats, average factor, running_mean, running_var).
+
+    Increments ``num_batches_tracked`` in training exactly as PyTorch does; callers validate first
+    so that a call which raises leaves the buffers untouched.
+    """
+    eaf = 0.0 if bn.momentum is None else bn.momentum
+    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+        eaf = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    bn_training = bn.training or (bn.running_mean is None and bn.running_var is None)
+    use_buffers = not bn.training or bn.track_running_stats
+    return (
+        bn_training,
+        eaf,
+        bn.running_mean if use_buffers else None,
+        bn.running_var if use_buffers else None,
+    )
+
+
+def _validate(x: torch.Tensor, bn: nn.BatchNorm2d) -> None:
+    if x.dim() != 4:
+        raise ValueError(f"expected 4D input (got {x.dim()}D input)")
+    if x.shape[1] != bn.num_features:
+        raise RuntimeError(
+            f"fused_preact: expected input with {bn.num_features} channels (BatchNorm2d num_features), got {x.shape[1]}"
+        )
+    if bn.training and x.shape[0] * x.shape[2] * x.shape[3] == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
+
+
+def _conv_reasons(conv: nn.Conv2d) -> list[str]:
+    reasons = []
+    if conv.padding_mode != "zeros":
+        reasons.append(f"fused conv: padding_mode={conv.padding_mode!r} (only 'zeros' is fused)")
+    if isinstance(conv.padding, str):
+        reasons.append(f"fused conv: string padding {conv.padding!r} (give explicit ints)")
+    return reasons
+
+
+def fused_bn_relu_convs(owner: nn.Module, x: torch.Tensor, bn: nn.BatchNorm2d, convs: list[nn.Conv2d]) -> list[torch.Tensor]:
+    """Run ``[conv(relu(bn(x))) for conv in convs]`` with one set of BN statistics.
+
+    The BN statistics (and the running-stat update) are computed once and feed every conv, each of
+    which fuses BN+ReLU into its input prologue and saves only ``x``.
+
+    Args:
+        owner: the module whose ``backend`` attribute is requested and whose ``last_backend`` /
+            ``fallback_reason`` record what ran.
+        x: (N, C, H, W) input of ``bn``.
+        bn: the BatchNorm2d holding γ, β and the running buffers.
+        convs: convolutions reading the pre-activation ``relu(bn(x))``.
+
+    Returns:
+        The conv outputs, in order.
+
+    Raises:
+        ValueError / RuntimeError: bad input rank or channel count, one value per channel in
+            training, or a forced backend that cannot serve the input.
+    """
+    _validate(x, bn)
+    requested = owner.backend
+    conv_reasons = [r for c in convs for r in _conv_reasons(c)]
+    if conv_reasons and requested not in ("auto", "reference"):
+        raise RuntimeError(f"fused_preact: backend={requested!r} cannot serve this module: " + "; ".join(conv_reasons))
+    choice = select_backend("reference" if conv_reasons else requested, x)
+    reason = "; ".join(conv_reasons) if conv_reasons else choice.reason
+    _record(owner, choice.name, reason, x)
+    bn_training, eaf, running_mean, running_var = _bn_forward_args(bn)
+    if choice.name == "reference":
+        a = F.relu(F.batch_norm(x, running_mean, running_var, bn.weight, bn.bias, bn_training, eaf, bn.eps))
+        return [conv(a) for conv in convs]
+    stats = bn_statistics(x, running_mean, running_var, bn_training, eaf, bn.eps)
+    return [
+        bn_relu_conv2d_with_stats(
+            x, stats, c.weight, c.bias, bn.weight, bn.bias, c.stride, c.padding, c.dilation, c.groups, choice.name
+        )
+        for c in convs
+    ]
+
+
+def _record(owner: nn.Module, name: str, reason: Optional[str], x: torch.Tensor) -> None:
+    if owner.last_backend != name or owner.fallback_reason != reason:
+        owner.last_backend = name
+        owner.fallback_reason = reason
+        if reason is not None:
+            msg = f"fused_preact: {type(owner).__name__} runs the {name} path: {reason}"
+            if x.device.type == "cuda":
+                warnings.warn(msg, stacklevel=3)
+            else:
+                logger.info(msg)
+
+
+class _FusedBase(nn.Module):
+    def __init__(self, backend: str):
+        super().__init__()
+        self.backend = backend
+        self.last_backend: Optional[str] = None
+        self.fallback_reason: Optional[str] = None
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend!r}"
+
+
+def _bn(c, eps, momentum, affine=True, track_running_stats=True, **kw):
+    return nn.BatchNorm2d(c, eps=eps, momentum=momentum, affine=affine, track_running_stats=track_running_stats, **kw)
+
+
+class FusedBNReLUConv2d(_FusedBase):
+    """BatchNorm2d → ReLU → Conv2d as one fused module (a pre-activation unit's basic step).
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias: as ``nn.Conv2d``.
+        eps, momentum, affine, track_running_stats: as ``nn.BatchNorm2d``.
+        backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see ``fused_preact.backends``).
+        device, dtype: factory kwargs for both children.
+
+    Shapes: input (N, in_channels, H, W), NCHW or channels_last; output (N, out_channels, P, Q) in
+    the input's memory format. dtypes: float32/float16/bfloat16 fused; float64 on the reference path.
+
+    Attributes: ``bn`` (nn.BatchNorm2d), ``conv`` (nn.Conv2d); state_dict keys ``bn.weight``,
+    ``bn.bias``, ``bn.running_mean``, ``bn.running_var``, ``bn.num_batches_tracked``, ``conv.weight``
+    (and ``conv.bias``).
+
+    Raises (in forward): ValueError for non-4D input or one value per channel in training;
+    RuntimeError for a wrong channel count or a forced backend that cannot serve the input.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size,
+        stride=1,
+        padding=0,
+        dilation=1,
+        groups: int = 1,
+        bias: bool = False,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(backend)
+        kw = dict(device=device, dtype=dtype)
+        self.bn = _bn(in_channels, eps, momentum, affine, track_running_stats, **kw)
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, **kw)
+
+    @classmethod
+    def from_modules(cls, bn: nn.BatchNorm2d, conv: nn.Conv2d, backend: str = "auto") -> "FusedBNReLUConv2d":
+        """Wrap existing ``bn`` and ``conv`` modules (shared, not copied) into a fused module."""
+        mod = cls.__new__(cls)
+        _FusedBase.__init__(mod, backend)
+        mod.bn = bn
+        mod.conv = conv
+        return mod
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused_bn_relu_convs(self, x, self.bn, [self.conv])[0]
+
+
+class FusedPreActBlock(_FusedBase):
+    """Full pre-activation basic block (He et al. 2016, Fig. 4(e)): ``x + conv2(relu(bn2(conv1(relu(bn1(x))))))``.
+
+    Args:
+        in_planes: input channels. planes: output channels (``expansion = 1``).
+        stride: stride of conv1 and of the projection shortcut.
+        eps, momentum: of both BatchNorms. backend: see ``fused_preact.backends``.
+
+    Attributes: ``bn1``, ``conv1`` (3×3, stride), ``bn2``, ``conv2`` (3×3), and ``shortcut``: a 1×1
+    conv with the block's stride (no BN) when the shape changes, otherwise ``None``.
+
+    Shortcut rule: the projection reads the pre-activated input ``relu(bn1(x))`` (the paper's code,
+    timm ``resnetv2``, kuangliu's CIFAR code); the identity shortcut reads the raw ``x``. Some
+    published snippets take the identity from the pre-activated tensor, which puts BN and ReLU on the
+    skip path and breaks the clean identity propagation the paper is about (§3). bn1's statistics are
+    computed once and feed both conv1 and the projection.
+
+    Shapes: (N, in_planes, H, W) → (N, planes, ⌈H/stride⌉, ⌈W/stride⌉).
+    """
+
+    expansion = 1
+
+    def __init__(self, in_planes: int, planes: int, stride: int = 1, eps: float = 1e-5, momentum: Optional[float] = 0.1,
+                 backend: str = "auto", device=None, dtype=None):
+        super().__init__(backend)
+        kw = dict(device=device, dtype=dtype)
+        self.bn1 = _bn(in_planes, eps, momentum, **kw)
+        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False, **kw)
+        self.bn2 = _bn(planes, eps, momentum, **kw)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False, **kw)
+        self.shortcut = (
+            nn.Conv2d(in_planes, planes, 1, stride, bias=False, **kw) if stride != 1 or in_planes != planes else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shortcut is not None:
+            out, sc = fused_bn_relu_convs(self, x, self.bn1, [self.conv1, self.shortcut])
+        else:
+            out, sc = fused_bn_relu_convs(self, x, self.bn1, [self.conv1])[0], x
+        return fused_bn_relu_convs(self, out, self.bn2, [self.conv2])[0] + sc
+
+
+class FusedPreActBottleneck(_FusedBase):
+    """Full pre-activation bottleneck block (He et al. 2016, Fig. 4(e); expansion 4).
+
+    ``x + conv3(relu(bn3(conv2(relu(bn2(conv1(relu(bn1(x)))))))))`` with conv1 1×1, conv2 3×3
+    (stride), conv3 1×1 to ``4·planes``; ``shortcut`` is a 1×1 strided conv on the pre-activated
+    input when the shape changes, else ``None`` (identity on raw x) — the same rule as
+    :class:`FusedPreActBlock`.
+
+    Args: in_planes, planes (bottleneck width; output has ``4·planes`` channels), stride, eps,
+    momentum, backend as :class:`FusedPreActBlock`.
+    Shapes: (N, in_planes, H, W) → (N, 4·planes, ⌈H/stride⌉, ⌈W/stride⌉).
+    """
+
+    expansion = 4
+
+    def __init__(self, in_planes: int, planes: int, stride: int = 1, eps: float = 1e-5, momentum: Optional[float] = 0.1,
+                 backend: str = "auto", device=None, dtype=None):
+        super().__init__(backend)
+        kw = dict(device=device, dtype=dtype)
+        out_planes = planes * self.expansion
+        self.bn1 = _bn(in_planes, eps, momentum, **kw)
+        self.conv1 = nn.Conv2d(in_planes, planes, 1, bias=False, **kw)
+        self.bn2 = _bn(planes, eps, momentum, **kw)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False, **kw)
+        self.bn3 = _bn(planes, eps, momentum, **kw)
+        self.conv3 = nn.Conv2d(planes, out_planes, 1, bias=False, **kw)
+        self.shortcut = (
+            nn.Conv2d(in_planes, out_planes, 1, stride, bias=False, **kw)
+            if stride != 1 or in_planes != out_planes
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shortcut is not None:
+            out, sc = fused_bn_relu_convs(self, x, self.bn1, [self.conv1, self.shortcut])
+        else:
+            out, sc = fused_bn_relu_convs(self, x, self.bn1, [self.conv1])[0], x
+        out = fused_bn_relu_convs(self, out, self.bn2, [self.conv2])[0]
+        return fused_bn_relu_convs(self, out, self.bn3, [self.conv3])[0] + sc

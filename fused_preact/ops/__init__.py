@@ -1,0 +1,20 @@
+"""Fused ops: per-channel batch statistics and BN→ReLU→Conv2d (Triton kernels + custom ops)."""
+
+from fused_preact.ops.stats import batch_stats, batch_stats_reference
+from fused_preact.ops.bn_relu_conv import (
+    BNStats,
+    bn_relu_conv2d,
+    bn_relu_conv2d_reference,
+    bn_relu_conv2d_with_stats,
+    bn_statistics,
+)
+
+__all__ = [
+    "BNStats",
+    "batch_stats",
+    "batch_stats_reference",
+    "bn_relu_conv2d",
+    "bn_relu_conv2d_reference",
+    "bn_relu_conv2d_with_stats",
+    "bn_statistics",
+]

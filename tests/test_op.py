@@ -1,0 +1,157 @@
+"""The fused BN→ReLU→Conv op against a float64 PyTorch reference: forward, every gradient, running stats.
+
+Kernels run on CUDA when present, otherwise through Triton's interpreter (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fused_preact.ops.bn_relu_conv as op_mod
+from conftest import DEVICE
+from fused_preact.ops import bn_relu_conv2d, bn_relu_conv2d_reference
+from helpers import TOL, assert_close
+
+# (N, C, H, W, K, R, stride, padding, dilation, groups): odd channel counts, 1×1 images, all paddings.
+SHAPES = [
+    (2, 3, 7, 7, 8, 3, 1, 1, 1, 1),
+    (2, 5, 9, 9, 6, 3, 2, 1, 1, 1),
+    (3, 24, 7, 9, 16, 1, 1, 0, 1, 1),
+    (2, 24, 9, 9, 24, 1, 2, 0, 1, 1),
+    (2, 5, 9, 7, 7, 3, 1, 2, 2, 1),
+    (2, 5, 7, 7, 3, 3, 2, 2, 1, 1),
+    (2, 16, 7, 7, 16, 3, 1, 0, 1, 1),
+    (2, 8, 9, 9, 12, 3, 2, 2, 2, 4),
+    (4, 3, 1, 1, 5, 3, 1, 1, 1, 1),
+    (3, 5, 1, 1, 3, 1, 1, 0, 1, 1),
+    (2, 40, 5, 5, 72, 3, 1, 1, 1, 1),
+]
+
+
+def _ids(shape):
+    n, c, h, w, k, r, s, p, d, g = shape
+    return f"n{n}c{c}h{h}w{w}k{k}r{r}s{s}p{p}d{d}g{g}"
+
+
+def _run(shape, training, channels_last, dtype, *, affine=True, bias=False, track=True, momentum=0.1, seed=0):
+    """Run fused (in ``dtype``) and float64 reference on the same (rounded) data; compare everything."""
+    N, C, H, W, K, R, stride, pad, dil, groups = shape
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*s, mean=0.0, std=1.0):
+        return torch.randn(*s, dtype=torch.float64, generator=gen) * std + mean
+
+    leaves = {
+        "x": rnd(N, C, H, W, mean=0.7, std=2.0).to(dtype).double(),
+        "weight": (rnd(K, C // groups, R, R) / (C * R * R / groups) ** 0.5).to(dtype).double(),
+        "bias": rnd(K) if bias else None,
+        "gamma": rnd(C, mean=1.0, std=0.3) if affine else None,
+        "beta": rnd(C, mean=0.5, std=0.5) if affine else None,
+    }
+    running = (rnd(C, std=0.5), rnd(C).abs() + 0.5) if track else (None, None)
+    conv = dict(stride=stride, padding=pad, dilation=dil, groups=groups)
+
+    ref_leaves = {k: (v.clone().requires_grad_() if v is not None else None) for k, v in leaves.items()}
+    ref_running = [r.clone() if r is not None else None for r in running]
+    y_ref = bn_relu_conv2d_reference(
+        ref_leaves["x"], ref_leaves["weight"], ref_leaves["bias"], *ref_running,
+        ref_leaves["gamma"], ref_leaves["beta"], training, momentum, 1e-5, **conv,
+    )
+    dy = rnd(*y_ref.shape)
+    grads_ref = torch.autograd.grad(y_ref, [v for v in ref_leaves.values() if v is not None], dy)
+
+    def to_dev(k, v):
+        if v is None:
+            return None
+        t = v.to(DEVICE, torch.float32 if k in ("gamma", "beta", "bias") else dtype)
+        if k == "x" and channels_last:
+            t = t.contiguous(memory_format=torch.channels_last)
+        return t.requires_grad_()
+
+    fused_leaves = {k: to_dev(k, v) for k, v in leaves.items()}
+    if bias:
+        fused_leaves["bias"] = fused_leaves["bias"].detach().to(dtype).requires_grad_()
+    fused_running = [r.to(DEVICE, torch.float32).clone() if r is not None else None for r in running]
+    y = bn_relu_conv2d(
+        fused_leaves["x"], fused_leaves["weight"], fused_leaves["bias"], *fused_running,
+        fused_leaves["gamma"], fused_leaves["beta"], training, momentum, 1e-5, **conv, backend="triton",
+    )
+    assert y.dtype == dtype and y.shape == y_ref.shape
+    expect_cl = channels_last and not fused_leaves["x"].is_contiguous()
+    assert y.is_contiguous(memory_format=torch.channels_last if expect_cl else torch.contiguous_format)
+    grads = torch.autograd.grad(y, [v for v in fused_leaves.values() if v is not None], dy.to(DEVICE, dtype))
+
+    assert_close(y, y_ref, dtype, "forward")
+    names = [k for k, v in leaves.items() if v is not None]
+    for name, g, g_ref in zip(names, grads, grads_ref):
+        assert g.dtype == fused_leaves[name].dtype, name
+        assert_close(g, g_ref, dtype, f"grad {name}")
+    for name, r, r_ref in zip(("running_mean", "running_var"), fused_running, ref_running):
+        if r is not None:
+            assert_close(r, r_ref, torch.float32 if dtype == torch.float32 else dtype, name)
+            if not training:
+                assert torch.equal(r.cpu().double(), r_ref.float().double()), f"{name} changed in eval"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_fp32(shape, training, channels_last):
+    _run(shape, training, channels_last, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3], SHAPES[7], SHAPES[10]], ids=_ids)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_half(dtype, shape, training):
+    _run(shape, training, True, dtype)
+
+
+def test_eval_batch_one():
+    _run((1, 5, 7, 9, 6, 3, 1, 1, 1, 1), False, False, torch.float32)
+    _run((1, 24, 1, 1, 8, 1, 1, 0, 1, 1), False, True, torch.float32)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_affine_false_with_bias(training):
+    _run(SHAPES[1], training, False, torch.float32, affine=False, bias=True)
+
+
+def test_no_running_stats():
+    _run(SHAPES[0], True, True, torch.float32, track=False)
+
+
+def test_momentum_one_and_zero():
+    _run(SHAPES[4], True, False, torch.float32, momentum=1.0)
+    _run(SHAPES[4], True, False, torch.float32, momentum=0.0)
+
+
+@pytest.mark.parametrize("split", [2, 3])
+def test_wgrad_split_k(monkeypatch, split):
+    """The deterministic split-K path of the wgrad kernel (used on GPUs for long reductions)."""
+    monkeypatch.setattr(op_mod, "_wgrad_split", lambda m_total, tiles, block_k: split)
+    _run(SHAPES[0], True, True, torch.float32)
+    _run(SHAPES[7], True, False, torch.float32)
+
+
+def test_wrong_results_are_caught():
+    """The comparison can fail: a perturbed gradient exceeds the fp32 tolerance."""
+    ref = torch.randn(64, dtype=torch.float64)
+    with pytest.raises(AssertionError):
+        assert_close(ref * (1 + 10 * TOL[torch.float32]), ref, torch.float32)
+
+
+def test_deterministic():
+    """Two runs of forward+backward are bitwise identical (no atomics in any reduction)."""
+    def once():
+        torch.manual_seed(3)
+        x = torch.randn(2, 8, 9, 9, device=DEVICE).requires_grad_()
+        w = torch.randn(8, 8, 3, 3, device=DEVICE).requires_grad_()
+        g = torch.rand(8, device=DEVICE).add(0.5).requires_grad_()
+        b = torch.randn(8, device=DEVICE).requires_grad_()
+        y = bn_relu_conv2d(x, w, None, None, None, g, b, True, padding=1, backend="triton")
+        return (y, *torch.autograd.grad(y.square().sum(), (x, w, g, b)))
+
+    for a, b in zip(once(), once()):
+        assert torch.equal(a, b)
