@@ -1,6 +1,7 @@
 """fused_preact: pre-activation ResNet units with BatchNorm+ReLU fused into the convolution.
 
-Public API:
+Public API (loaded lazily, so ``python -m fused_preact`` can choose Triton's interpreter before
+triton is imported):
     FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottleneck   drop-in modules (fused_preact.modules)
     models                                                      PreActResNet factories (fused or eager)
     ops                                                         the fused ops and their references
@@ -9,18 +10,29 @@ Public API:
 Source: He et al., "Identity Mappings in Deep Residual Networks", ECCV 2016.
 """
 
-from fused_preact import models, ops
-from fused_preact.backends import backends, select_backend
-from fused_preact.modules import FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottleneck
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "FusedBNReLUConv2d",
-    "FusedPreActBlock",
-    "FusedPreActBottleneck",
-    "backends",
-    "models",
-    "ops",
-    "select_backend",
-]
+_LAZY = {
+    "FusedBNReLUConv2d": "fused_preact.modules",
+    "FusedPreActBlock": "fused_preact.modules",
+    "FusedPreActBottleneck": "fused_preact.modules",
+    "backends": "fused_preact.backends",
+    "select_backend": "fused_preact.backends",
+}
+_SUBMODULES = ("models", "ops", "modules", "data", "train")
+
+__all__ = sorted(list(_LAZY) + ["models", "ops"])
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"fused_preact.{name}")
+    raise AttributeError(f"module 'fused_preact' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -204,7 +204,7 @@ def _(x, weight, bias, mean, invstd, gamma, beta, stride, padding, dilation, gro
     P = conv_out_size(H, weight.shape[2], stride[0], padding[0], dilation[0])
     Q = conv_out_size(W, weight.shape[3], stride[1], padding[1], dilation[1])
     fmt = torch.channels_last if wants_channels_last(x) else torch.contiguous_format
-    return x.new_empty((N, weight.shape[0], P, Q), memory_format=fmt)
+    return torch.empty((N, weight.shape[0], P, Q), dtype=x.dtype, device=x.device, memory_format=fmt)
 
 
 @torch.library.custom_op("fused_preact::bn_relu_conv2d_backward", mutates_args=(), device_types=("cpu", "cuda"))
@@ -224,7 +224,7 @@ def _(grad_out, x, weight, mean, invstd, gamma, beta, stride, padding, dilation,
     fmt = torch.channels_last if wants_channels_last(x) else torch.contiguous_format
     C = x.shape[1]
     return (
-        x.new_empty(x.shape, memory_format=fmt),
+        torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=fmt),
         weight.new_empty(weight.shape),
         weight.new_empty((weight.shape[0],) if has_bias else (0,)),
         x.new_empty(C, dtype=torch.float32),

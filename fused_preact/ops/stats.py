@@ -3,8 +3,9 @@
 Order: Triton kernels → launcher → reference → custom op → functional.
 
 Each Triton program reduces a (BLOCK_M × BLOCK_C) tile of the NHWC matrix ``x[M = N·H·W, C]`` to a
-partial (count, mean, M2) with a two-pass reduction in registers; a second kernel folds the partials
-with Chan et al.'s pairwise rule (``M2 = M2a + M2b + δ²·na·nb/n``, Chan, Golub & LeVeque 1979),
+partial (count, mean, M2) with a corrected two-pass reduction in registers; a second kernel folds the
+partials with the k-way form of Chan et al.'s rule (``M2 = Σ M2_i + Σ n_i·(mean_i − mean)²``, the
+pairwise ``M2a + M2b + δ²·na·nb/n`` applied to all tiles at once; Chan, Golub & LeVeque 1979),
 which stays accurate for inputs whose mean is large relative to their spread, unlike
 ``E[x²] − E[x]²``. The fold runs in a fixed order, so results are bitwise reproducible (no atomics).
 """
@@ -32,9 +33,12 @@ def _stats_partial_kernel(
     offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     count = tl.minimum(M - pid_m * BLOCK_M, BLOCK_M).to(tl.float32)
-    mean = tl.sum(x, axis=0) / count
-    d = tl.where(mask, x - mean[None, :], 0.0)
-    m2 = tl.sum(d * d, axis=0)
+    # Corrected two-pass (Chan, Golub & LeVeque 1983): the second pass's Σd repairs the first mean.
+    mean0 = tl.sum(x, axis=0) / count
+    d = tl.where(mask, x - mean0[None, :], 0.0)
+    s1 = tl.sum(d, axis=0)
+    mean = mean0 + s1 / count
+    m2 = tl.maximum(tl.sum(d * d, axis=0) - s1 * s1 / count, 0.0)
     out = pid_m.to(tl.int64) * C + cols
     tl.store(part_mean_ptr + out, mean, mask=cols < C)
     tl.store(part_m2_ptr + out, m2, mask=cols < C)
@@ -43,32 +47,42 @@ def _stats_partial_kernel(
 @triton.jit
 def _stats_combine_kernel(
     part_mean_ptr, part_m2_ptr, mean_ptr, var_ptr, M, C, NUM_PARTS,
-    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
-    n = tl.zeros([BLOCK_C], dtype=tl.float32)
-    mean = tl.zeros([BLOCK_C], dtype=tl.float32)
+    # k-way form of Chan's rule, shifted by the first tile's mean so that large means cancel
+    # exactly: mean = ref + Σ n_i·(mean_i − ref)/M, M2 = Σ M2_i + Σ n_i·(mean_i − mean)².
+    ref = tl.load(part_mean_ptr + cols, mask=cmask, other=0.0)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for p0 in range(0, NUM_PARTS, BLOCK_P):
+        parts = p0 + tl.arange(0, BLOCK_P)
+        pmask = (parts < NUM_PARTS)[:, None] & cmask[None, :]
+        nb = tl.minimum(M - parts * BLOCK_M, BLOCK_M).to(tl.float32)
+        mb = tl.load(part_mean_ptr + parts.to(tl.int64)[:, None] * C + cols[None, :], mask=pmask, other=0.0)
+        acc += tl.sum(tl.where(pmask, nb[:, None] * (mb - ref[None, :]), 0.0), axis=0)
+    mean = ref + acc / M
     m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for i in range(0, NUM_PARTS):
-        nb = tl.minimum(M - i * BLOCK_M, BLOCK_M).to(tl.float32)
-        offs = i * C + cols
-        mb = tl.load(part_mean_ptr + offs, mask=cmask, other=0.0)
-        m2b = tl.load(part_m2_ptr + offs, mask=cmask, other=0.0)
-        tot = n + nb
-        delta = mb - mean
-        mean = mean + delta * (nb / tot)
-        m2 = m2 + m2b + delta * delta * (n * nb / tot)
-        n = tot
+    for p0 in range(0, NUM_PARTS, BLOCK_P):
+        parts = p0 + tl.arange(0, BLOCK_P)
+        pmask = (parts < NUM_PARTS)[:, None] & cmask[None, :]
+        nb = tl.minimum(M - parts * BLOCK_M, BLOCK_M).to(tl.float32)
+        offs = parts.to(tl.int64)[:, None] * C + cols[None, :]
+        mb = tl.load(part_mean_ptr + offs, mask=pmask, other=0.0)
+        m2b = tl.load(part_m2_ptr + offs, mask=pmask, other=0.0)
+        delta = mb - mean[None, :]
+        m2 += tl.sum(tl.where(pmask, m2b + nb[:, None] * delta * delta, 0.0), axis=0)
     tl.store(mean_ptr + cols, mean, mask=cmask)
-    tl.store(var_ptr + cols, m2 / n, mask=cmask)
+    tl.store(var_ptr + cols, m2 / M, mask=cmask)
 
 
 # -------------------------------------------------------------------------------------- launcher
 def _stats_blocks(M: int, C: int, interpret: bool) -> tuple[int, int]:
     block_c = max(16, min(64, triton.next_power_of_2(C)))
-    block_m = 256 if not interpret else max(16, min(8192, triton.next_power_of_2(M)))
+    # 256-row tiles keep each tile's fp32 sums short; the interpreter's sums are sequential, so it
+    # needs short tiles even more than a GPU's tree reductions do.
+    block_m = 256 if not interpret else max(16, min(256, triton.next_power_of_2(M)))
     return block_m, block_c
 
 
@@ -88,7 +102,7 @@ def _batch_stats_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     mean = torch.empty(C, device=x.device, dtype=torch.float32)
     var = torch.empty_like(mean)
     _stats_combine_kernel[(triton.cdiv(C, block_c),)](
-        part_mean, part_m2, mean, var, M, C, parts, BLOCK_M=block_m, BLOCK_C=block_c
+        part_mean, part_m2, mean, var, M, C, parts, BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_P=64
     )
     return mean, var
 

@@ -1,0 +1,224 @@
+"""The main job: train a PreActResNet built eagerly and fused, from the same weights on the same data.
+
+``python -m fused_preact [--data-dir CIFAR_PY_DIR] [--depth D] [--steps S] ...``
+
+Both builds start from identical weights and see identical batches; the job prints each step's
+loss for both, the largest divergence, median step time and peak step memory of each. fp32 math is
+IEEE (TF32 off). Training is chaotic: fp32 rounding alone makes an eager fp32 run drift away from the
+same run in float64 (ties at ReLU/BN boundaries flip, then the trajectories separate). So the job
+also trains an eager float64 twin and measures that drift (the noise floor); it exits with status 1
+if the fused–eager divergence (largest relative loss difference over the steps, or of the final
+eval-mode test loss) exceeds both ``--tolerance`` and twice the noise floor.
+
+Without CUDA the fused build runs the Triton kernels through Triton's interpreter
+(``TRITON_INTERPRET=1`` is set before triton is imported) with a small default depth and few steps;
+that is a real end-to-end test of the kernels, but its timings are CPU timings and say nothing about
+GPU speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Optional
+
+__all__ = ["main", "parse_args", "run"]
+
+
+def parse_args(argv: Optional[list[str]] = None, cuda: bool = False) -> argparse.Namespace:
+    """Command-line arguments; defaults depend on whether CUDA is available (``cuda``)."""
+    p = argparse.ArgumentParser(prog="python -m fused_preact", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data-dir", help="CIFAR-10 python-pickle folder (default: scikit-learn's bundled digits)")
+    p.add_argument("--depth", type=int, default=20 if cuda else 8, help="CIFAR PreActResNet depth (6n+2 or 9n+2)")
+    p.add_argument("--steps", type=int, default=50 if cuda else 12, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=128 if cuda else 32)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--image-size", type=int, default=32, help="digits are upsampled to this size")
+    p.add_argument("--channels-last", action="store_true", help="NHWC activations")
+    p.add_argument("--backend", default="auto", help="fused backend: auto, triton or reference")
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--tolerance", type=float, default=1e-2,
+                   help="relative loss divergence always accepted (more is accepted up to 2x the fp64 noise floor)")
+    p.add_argument("--no-fp64-reference", action="store_true", help="skip the float64 eager twin (noise floor)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write the results to this JSON file")
+    return p.parse_args(argv)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _step(model, opt, x, y, device):
+    """One SGD step; returns (loss, seconds, peak bytes above the step's starting allocation or None)."""
+    import torch
+    import torch.nn.functional as F
+
+    cuda = device.type == "cuda"
+    if cuda:
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    _sync(device)
+    dt = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
+    return loss.item(), dt, peak
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Train both builds and compare; returns the results as a dict (see README for the fields)."""
+    import torch
+    import torch.nn.functional as F
+
+    from fused_preact.data import load_cifar10, load_digits
+    from fused_preact.models import preact_resnet_cifar
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress bar is optional
+        tqdm = None
+
+    device = torch.device(args.device)
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    data = load_cifar10(args.data_dir) if args.data_dir else load_digits(args.image_size)
+    torch.manual_seed(args.seed)
+    eager = preact_resnet_cifar(args.depth, data.num_classes, fused=False).to(device)
+    fused = preact_resnet_cifar(args.depth, data.num_classes, fused=True, backend=args.backend).to(device)
+    fused.load_state_dict(eager.state_dict())
+    fmt = torch.channels_last if args.channels_last else torch.contiguous_format
+    builds = {"eager": eager.to(memory_format=fmt), "fused": fused.to(memory_format=fmt)}
+    if not args.no_fp64_reference:
+        exact = preact_resnet_cifar(args.depth, data.num_classes, fused=False).to(device, torch.float64)
+        exact.load_state_dict(eager.state_dict())
+        builds["eager_fp64"] = exact.to(memory_format=fmt)
+    opts = {
+        name: torch.optim.SGD(m.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+        for name, m in builds.items()
+    }
+    gen = torch.Generator().manual_seed(args.seed)
+    n = data.train_x.shape[0]
+    order = torch.randperm(n, generator=gen)
+    print(f"data: {data.name}; model: PreActResNet-{args.depth} (CIFAR); batch {args.batch_size}; "
+          f"{args.steps} steps; device {device}")
+
+    losses = {name: [] for name in builds}
+    times = {name: [] for name in builds}
+    peaks = {name: [] for name in builds}
+    steps = range(args.steps)
+    bar = tqdm(steps, desc="training", unit="step") if tqdm is not None else steps
+    write = tqdm.write if tqdm is not None else print
+    pos = 0
+    for step in bar:
+        if pos + args.batch_size > n:
+            order, pos = torch.randperm(n, generator=gen), 0
+        idx = order[pos:pos + args.batch_size]
+        pos += args.batch_size
+        x = data.train_x[idx].to(device).contiguous(memory_format=fmt)
+        y = data.train_y[idx].to(device)
+        for name, model in builds.items():
+            xb = x.double() if name == "eager_fp64" else x
+            loss, dt, peak = _step(model, opts[name], xb, y, device)
+            losses[name].append(loss)
+            times[name].append(dt)
+            peaks[name].append(peak)
+        d = abs(losses["eager"][-1] - losses["fused"][-1])
+        exact = f"  eager_fp64 {losses['eager_fp64'][-1]:.6f}" if "eager_fp64" in losses else ""
+        write(f"step {step + 1:4d}/{args.steps}  loss eager {losses['eager'][-1]:.6f}  "
+              f"fused {losses['fused'][-1]:.6f}  |diff| {d:.2e}{exact}")
+
+    eval_loss = {}
+    with torch.no_grad():
+        tx = data.test_x[:512].to(device).contiguous(memory_format=fmt)
+        ty = data.test_y[:512].to(device)
+        for name, model in builds.items():
+            model.eval()
+            logits = model(tx.double() if name == "eager_fp64" else tx)
+            eval_loss[name] = (F.cross_entropy(logits, ty).item(), (logits.argmax(1) == ty).float().mean().item())
+
+    paths = sorted({(m.last_backend, m.fallback_reason) for m in fused.modules() if hasattr(m, "last_backend")},
+                   key=str)
+    def divergence(a: str, b: str) -> tuple[float, float]:
+        rel = [abs(u - v) / max(abs(v), 1e-8) for u, v in zip(losses[a], losses[b])]
+        ev = abs(eval_loss[a][0] - eval_loss[b][0]) / max(abs(eval_loss[b][0]), 1e-8)
+        return max(rel, default=0.0), ev
+
+    div, eval_div = divergence("fused", "eager")
+    floor, eval_floor = divergence("eager", "eager_fp64") if "eager_fp64" in builds else (0.0, 0.0)
+    warm = slice(min(3, max(args.steps - 1, 0)), None)
+    result = {
+        "data": data.name,
+        "depth": args.depth,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "device": str(device),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        "fused_paths": [{"backend": b, "fallback_reason": r} for b, r in paths],
+        "losses": losses,
+        "max_rel_divergence": div,
+        "eval": {k: {"loss": v[0], "accuracy": v[1]} for k, v in eval_loss.items()},
+        "eval_rel_divergence": eval_div,
+        "fp64_noise_floor": floor if "eager_fp64" in builds else None,
+        "eval_fp64_noise_floor": eval_floor if "eager_fp64" in builds else None,
+        "median_step_ms": {k: 1e3 * statistics.median(v[warm]) for k, v in times.items() if v},
+        "peak_step_mem_bytes": {k: (max(v) if v and v[0] is not None else None) for k, v in peaks.items()},
+        "tolerance": args.tolerance,
+    }
+    result["ok"] = div <= max(args.tolerance, 2 * floor) and eval_div <= max(args.tolerance, 2 * eval_floor)
+    return result
+
+
+def _report(r: dict) -> None:
+    print()
+    for p in r["fused_paths"]:
+        why = f" (fallback: {p['fallback_reason']})" if p["fallback_reason"] else ""
+        mode = " through Triton's interpreter on CPU" if r["triton_interpret"] and p["backend"] == "triton" else ""
+        print(f"fused build ran the {p['backend']} path{mode}{why}")
+    floor = r["fp64_noise_floor"]
+    floor_s = f"; eager fp32 vs float64 (noise floor): {floor:.3e}" if floor is not None else ""
+    print(f"largest relative loss divergence fused vs eager over {r['steps']} steps: "
+          f"{r['max_rel_divergence']:.3e}{floor_s} (tolerance: max({r['tolerance']:.1e}, 2x floor))")
+    for k, v in r["eval"].items():
+        print(f"eval {k:10s}: test loss {v['loss']:.6f}  accuracy {100 * v['accuracy']:.1f}%")
+    print(f"eval-mode test loss relative divergence fused vs eager: {r['eval_rel_divergence']:.3e}")
+    for k in ("eager", "fused"):
+        ms = r["median_step_ms"].get(k)
+        mem = r["peak_step_mem_bytes"].get(k)
+        mem_s = f"{mem / 2**20:.1f} MiB" if mem is not None else "n/a (CPU)"
+        print(f"{k:5s}: median step {ms:.1f} ms, peak step memory {mem_s}")
+    if not r["device"].startswith("cuda"):
+        print("note: these are CPU timings (the fused kernels ran in Triton's interpreter); "
+              "they say nothing about GPU speed — run on a CUDA machine for timings.")
+    print("OK: eager and fused trajectories match" if r["ok"] else "FAIL: eager and fused trajectories diverge")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``python -m fused_preact``; returns the process exit status (0 ok, 1 diverged)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if "triton" in sys.modules and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        print("warning: triton was imported before TRITON_INTERPRET was set; fused kernels cannot run on CPU")
+    args = parse_args(argv, cuda)
+    result = run(args)
+    _report(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if result["ok"] else 1

@@ -1,0 +1,199 @@
+"""Modules against their eager twins: outputs, gradients, running stats, state_dict, backend choice."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import DEVICE
+from fused_preact import FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottleneck
+from fused_preact.backends import BACKENDS, select_backend
+from fused_preact.models import PreActBlock, PreActBottleneck
+from helpers import assert_close
+
+
+def _randomize_bn(model: nn.Module, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            with torch.no_grad():
+                if m.weight is not None:
+                    m.weight.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+                    m.bias.copy_(torch.randn(m.num_features, generator=g) * 0.5)
+                if m.running_mean is not None:
+                    m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.5)
+                    m.running_var.copy_(torch.rand(m.num_features, generator=g) + 0.5)
+
+
+def _compare(fused: nn.Module, eager64: nn.Module, x: torch.Tensor, train: bool, steps: int = 2):
+    """Run both modules ``steps`` times on fresh data; compare outputs, input/param grads and buffers."""
+    fused.train(train)
+    eager64.train(train)
+    for step in range(steps):
+        xs = (x + step).clone()
+        xf = xs.to(DEVICE).detach().requires_grad_()
+        xr = xs.double().cpu().detach().requires_grad_()
+        y = fused(xf)
+        y_ref = eager64(xr)
+        dy = torch.randn(y_ref.shape, dtype=torch.float64)
+        y.backward(dy.to(DEVICE, y.dtype))
+        y_ref.backward(dy)
+        assert_close(y, y_ref, torch.float32, f"step {step} forward")
+        assert_close(xf.grad, xr.grad, torch.float32, f"step {step} grad x")
+    for (name, p), (_, p_ref) in zip(fused.named_parameters(), eager64.named_parameters()):
+        assert_close(p.grad, p_ref.grad, torch.float32, f"grad {name}")
+    for (name, b), (_, b_ref) in zip(fused.named_buffers(), eager64.named_buffers()):
+        if b.dtype == torch.long:
+            assert torch.equal(b.cpu(), b_ref), name
+        else:
+            assert_close(b, b_ref, torch.float32, name)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(kernel_size=3, padding=1),
+        dict(kernel_size=3, stride=2, padding=2, dilation=2, groups=2, bias=True),
+        dict(kernel_size=1, momentum=None),
+        dict(kernel_size=3, padding=1, affine=False),
+        dict(kernel_size=3, padding=(1, 0), track_running_stats=False),
+    ],
+    ids=["3x3", "strided-dilated-grouped-bias", "1x1-cumulative", "no-affine", "no-running-stats"],
+)
+def test_fused_bn_relu_conv_matches_eager(kw, train):
+    torch.manual_seed(0)
+    fused = FusedBNReLUConv2d(6, 10, **kw, backend="triton").to(DEVICE)
+    _randomize_bn(fused)
+    bn_kw = {k: kw[k] for k in ("momentum", "affine", "track_running_stats") if k in kw}
+    conv_kw = {"bias": False, **{k: v for k, v in kw.items() if k not in bn_kw}}
+    eager = nn.Sequential(nn.BatchNorm2d(6, **bn_kw), nn.ReLU(), nn.Conv2d(6, 10, **conv_kw))
+    eager.load_state_dict({k.replace("bn.", "0.").replace("conv.", "2."): v for k, v in fused.state_dict().items()})
+    _compare(fused, eager.double(), torch.randn(3, 6, 9, 8) * 1.5 + 0.3, train, steps=3)
+    assert fused.last_backend == "triton" and fused.fallback_reason is None
+
+
+def test_state_dict_keys_are_pytorch_keys():
+    m = FusedBNReLUConv2d(4, 8, 3, bias=True)
+    assert list(m.state_dict()) == [
+        "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked", "conv.weight", "conv.bias",
+    ]
+    assert isinstance(m.bn, nn.BatchNorm2d) and isinstance(m.conv, nn.Conv2d)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize(
+    "cls,eager_cls,in_planes,planes,stride",
+    [
+        (FusedPreActBlock, PreActBlock, 8, 8, 1),
+        (FusedPreActBlock, PreActBlock, 5, 8, 2),
+        (FusedPreActBottleneck, PreActBottleneck, 16, 4, 1),
+        (FusedPreActBottleneck, PreActBottleneck, 6, 4, 2),
+    ],
+    ids=["basic-identity", "basic-projection", "bottleneck-identity", "bottleneck-projection"],
+)
+def test_blocks_match_eager(cls, eager_cls, in_planes, planes, stride, train):
+    torch.manual_seed(1)
+    fused = cls(in_planes, planes, stride, backend="triton").to(DEVICE)
+    _randomize_bn(fused, seed=2)
+    eager = eager_cls(in_planes, planes, stride)
+    eager.load_state_dict(fused.state_dict())
+    assert list(eager.state_dict()) == list(fused.state_dict())
+    _compare(fused, eager.double(), torch.randn(2, in_planes, 9, 7) + 0.5, train)
+
+
+def test_identity_shortcut_reads_raw_input():
+    """With the residual branch zeroed, the block is exactly the identity on the raw input."""
+    block = FusedPreActBlock(6, 6, backend="triton").to(DEVICE)
+    nn.init.zeros_(block.conv2.weight)
+    x = torch.randn(2, 6, 5, 5, device=DEVICE) * 3 - 1
+    assert torch.equal(block(x), x)
+
+
+def test_projection_reads_preactivation_and_shares_bn1_stats():
+    """bn1 is counted once per forward although its statistics feed conv1 and the projection."""
+    block = FusedPreActBlock(4, 8, stride=2, backend="triton").to(DEVICE)
+    block(torch.randn(2, 4, 6, 6, device=DEVICE))
+    assert int(block.bn1.num_batches_tracked) == 1
+    a = torch.relu(block.bn1.eval()(torch.ones(1, 4, 2, 2, device=DEVICE)))
+    assert block.shortcut is not None and block.shortcut.in_channels == a.shape[1]
+
+
+def test_auto_falls_back_visibly(monkeypatch):
+    """auto: the choice and the reason for a fallback are recorded on the module."""
+    monkeypatch.setitem(BACKENDS, "triton", dataclasses.replace(BACKENDS["triton"], dtypes=()))
+    m = FusedBNReLUConv2d(3, 4, 3, padding=1).to(DEVICE)
+    m(torch.randn(2, 3, 5, 5, device=DEVICE))
+    assert m.last_backend == "reference"
+    assert "dtype" in m.fallback_reason
+
+
+def test_float64_runs_reference_path():
+    m = FusedBNReLUConv2d(3, 4, 3, padding=1).double().to(DEVICE)
+    m(torch.randn(2, 3, 5, 5, device=DEVICE, dtype=torch.float64))
+    assert m.last_backend == "reference" and "float64" in m.fallback_reason
+
+
+def test_unfusable_conv_falls_back_or_raises():
+    m = FusedBNReLUConv2d(3, 4, 3, padding=1).to(DEVICE)
+    m.conv.padding_mode = "reflect"
+    m(torch.randn(2, 3, 5, 5, device=DEVICE))
+    assert m.last_backend == "reference" and "padding_mode" in m.fallback_reason
+    m.backend = "triton"
+    with pytest.raises(RuntimeError, match="padding_mode"):
+        m(torch.randn(2, 3, 5, 5, device=DEVICE))
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="unknown backend"):
+        select_backend("cutlass9", torch.randn(1, 2, 3, 3))
+
+
+@pytest.mark.parametrize(
+    "x,exc,match",
+    [
+        (torch.randn(2, 3, 5), ValueError, "expected 4D input"),
+        (torch.randn(2, 4, 5, 5), RuntimeError, "expected input with 3 channels"),
+        (torch.randn(1, 3, 1, 1), ValueError, "Expected more than 1 value per channel when training"),
+    ],
+    ids=["rank", "channels", "one-value"],
+)
+def test_bad_input_raises_and_leaves_buffers(x, exc, match):
+    m = FusedBNReLUConv2d(3, 4, 1, backend="triton").to(DEVICE)
+    before = copy.deepcopy(m.state_dict())
+    with pytest.raises(exc, match=match):
+        m(x.to(DEVICE))
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_forced_triton_on_cpu_without_interpreter_is_a_clear_error():
+    code = textwrap.dedent(
+        """
+        import torch
+        from fused_preact import FusedBNReLUConv2d
+        m = FusedBNReLUConv2d(3, 4, 1, backend="triton")
+        try:
+            m(torch.randn(2, 3, 4, 4))
+        except RuntimeError as e:
+            print("ERR", e)
+        m.backend = "auto"
+        m(torch.randn(2, 3, 4, 4))
+        print("AUTO", m.last_backend, m.fallback_reason)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "ERR fused_preact: backend='triton' cannot serve this input" in out.stdout
+    assert "TRITON_INTERPRET=1" in out.stdout
+    assert "AUTO reference triton: CPU tensor and Triton's interpreter is off" in out.stdout
