@@ -16,7 +16,6 @@ Backends
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from typing import Optional, Sequence
 
@@ -25,22 +24,29 @@ import torch
 __all__ = ["Backend", "BackendChoice", "PRIORITY", "backends", "select_backend", "triton_mode"]
 
 
-@functools.lru_cache(maxsize=None)
+_TRITON_MODE: Optional[str] = None
+
+
+@torch.compiler.assume_constant_result
 def triton_mode() -> str:
     """How Triton kernels can run in this process.
 
     Returns:
         ``"missing"`` if ``triton`` cannot be imported, ``"interpreter"`` if its interpreter is active
         (the kernels were decorated while ``TRITON_INTERPRET=1``; they then run on CPU tensors only),
-        otherwise ``"compiled"`` (CUDA tensors only).
+        otherwise ``"compiled"`` (CUDA tensors only). Fixed for the life of the process, so
+        ``torch.compile`` treats it as a constant.
     """
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "missing"
-    from fused_preact.ops import _conv_kernels
-
-    return "interpreter" if type(_conv_kernels._fprop_kernel).__name__ == "InterpretedFunction" else "compiled"
+    global _TRITON_MODE
+    if _TRITON_MODE is None:
+        try:
+            from fused_preact.ops import _conv_kernels
+        except ImportError:
+            _TRITON_MODE = "missing"
+        else:
+            kernel_type = type(_conv_kernels._fprop_kernel).__name__
+            _TRITON_MODE = "interpreter" if kernel_type == "InterpretedFunction" else "compiled"
+    return _TRITON_MODE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,38 @@
+"""torch.compile over the fused modules: no graph breaks (fullgraph=True) and eager's results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from fused_preact import FusedBNReLUConv2d, FusedPreActBlock
+from helpers import assert_close
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_block_matches_eager(backend):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = FusedPreActBlock(4, 8, stride=2, backend="triton").to(DEVICE)
+    twin = FusedPreActBlock(4, 8, stride=2, backend="triton").to(DEVICE)
+    twin.load_state_dict(block.state_dict())
+    compiled = torch.compile(block, fullgraph=True, backend=backend)
+    x = torch.randn(2, 4, 9, 9, device=DEVICE)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = compiled(xa), twin(xb)
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    assert_close(ya, yb, torch.float32, "forward")
+    assert_close(xa.grad, xb.grad, torch.float32, "grad x")
+    for (name, p), q in zip(block.named_parameters(), twin.parameters()):
+        assert_close(p.grad, q.grad, torch.float32, f"grad {name}")
+    for (name, b), c in zip(block.named_buffers(), twin.buffers()):
+        assert torch.equal(b, c) if b.dtype == torch.long else torch.allclose(b, c, rtol=1e-5, atol=1e-6), name
+
+
+def test_compiled_eval_mode():
+    torch._dynamo.reset()
+    m = FusedBNReLUConv2d(3, 5, 3, padding=1, backend="triton").to(DEVICE).eval()
+    x = torch.randn(2, 3, 6, 6, device=DEVICE)
+    assert_close(torch.compile(m, fullgraph=True, backend="aot_eager")(x), m(x), torch.float32, "eval forward")

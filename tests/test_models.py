@@ -1,0 +1,96 @@
+"""Model factories and fused-vs-eager training of a whole network."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import DEVICE
+from fused_preact import FusedPreActBlock, FusedPreActBottleneck
+from fused_preact.models import (
+    PreActBlock,
+    PreActBottleneck,
+    preact_resnet18,
+    preact_resnet50,
+    preact_resnet110,
+    preact_resnet164,
+    preact_resnet1001,
+    preact_resnet_cifar,
+)
+from helpers import assert_close
+
+
+def _params(m):
+    return sum(p.numel() for p in m.parameters())
+
+
+@pytest.mark.parametrize(
+    "factory,millions",
+    [(preact_resnet110, 1.7), (preact_resnet164, 1.7), (preact_resnet1001, 10.3)],
+    ids=["110", "164", "1001"],
+)
+def test_cifar_parameter_counts_match_paper(factory, millions):
+    """He et al. 2016, Table 3: ResNet-110 1.7M, ResNet-164 1.7M, ResNet-1001 10.2M parameters."""
+    assert abs(_params(factory(fused=False)) / 1e6 - millions) < 0.1
+
+
+def test_imagenet_models_build_and_run_eager():
+    assert abs(_params(preact_resnet50(fused=False)) / 1e6 - 25.55) < 0.05  # timm resnetv2_50: 25.55M
+    m = preact_resnet18(num_classes=7, fused=True, backend="reference")
+    assert m(torch.randn(2, 3, 64, 64)).shape == (2, 7)
+
+
+@pytest.mark.parametrize("depth,block", [(20, FusedPreActBlock), (11, FusedPreActBottleneck)])
+def test_cifar_factory_structure(depth, block):
+    m = preact_resnet_cifar(depth, bottleneck=block is FusedPreActBottleneck)
+    blocks = [b for b in m.modules() if isinstance(b, block)]
+    assert len(blocks) == 3 * (depth - 2) // (6 if block is FusedPreActBlock else 9)
+    eager = preact_resnet_cifar(depth, fused=False, bottleneck=block is FusedPreActBottleneck)
+    assert all(isinstance(b, (PreActBlock, PreActBottleneck)) for b in eager.modules() if "Block" in type(b).__name__
+               or "Bottleneck" in type(b).__name__)
+    assert list(m.state_dict()) == list(eager.state_dict())
+
+
+def test_invalid_depth():
+    with pytest.raises(ValueError, match="depth 21 invalid"):
+        preact_resnet_cifar(21)
+
+
+@pytest.mark.parametrize("bottleneck", [False, True], ids=["basic", "bottleneck"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_fused_model_trains_like_eager_twin(bottleneck, channels_last):
+    """Several SGD steps: fused (Triton) fp32 and eager float64 give the same losses, grads, buffers."""
+    depth = 11 if bottleneck else 8
+    torch.manual_seed(0)
+    fused = preact_resnet_cifar(depth, fused=True, backend="triton", bottleneck=bottleneck).to(DEVICE)
+    eager = preact_resnet_cifar(depth, fused=False, bottleneck=bottleneck).double()
+    eager.load_state_dict(fused.state_dict())
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    fused = fused.to(memory_format=fmt)
+    opt_f = torch.optim.SGD(fused.parameters(), lr=0.01, momentum=0.9)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.01, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(4, 3, 8, 8, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 10, (4,), generator=gen)
+        losses = []
+        for model, opt, xx in ((fused, opt_f, x.float().to(DEVICE).contiguous(memory_format=fmt)), (eager, opt_e, x)):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(xx), y.to(xx.device))
+            loss.backward()
+            losses.append(loss)
+        assert_close(losses[0], losses[1], torch.float32, f"step {step} loss")
+        for (name, p), p_ref in zip(fused.named_parameters(), eager.parameters()):
+            assert_close(p.grad, p_ref.grad, torch.float32, f"step {step} grad {name}")
+        opt_f.step()
+        opt_e.step()
+    for (name, b), b_ref in zip(fused.named_buffers(), eager.buffers()):
+        if b.dtype == torch.long:
+            assert torch.equal(b.cpu(), b_ref), name
+        else:
+            assert_close(b, b_ref, torch.float32, name)
+    fused.eval()
+    eager.eval()
+    x = torch.randn(1, 3, 8, 8, dtype=torch.float64)
+    assert_close(fused(x.float().to(DEVICE)), eager(x), torch.float32, "eval batch of one")
