@@ -130,7 +130,7 @@ def test_momentum_one_and_zero():
 @pytest.mark.parametrize("split", [2, 3])
 def test_wgrad_split_k(monkeypatch, split):
     """The deterministic split-K path of the wgrad kernel (used on GPUs for long reductions)."""
-    monkeypatch.setattr(op_mod, "_wgrad_split", lambda m_total, tiles, block_k: split)
+    monkeypatch.setattr(op_mod, "_wgrad_split", lambda m_total, tiles, block_k, device: split)
     _run(SHAPES[0], True, True, torch.float32)
     _run(SHAPES[7], True, False, torch.float32)
 

@@ -19,6 +19,7 @@ variance, eval mode) followed by ``torch.nn.functional.relu`` and ``torch.nn.fun
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -50,11 +51,13 @@ def _gemm_blocks(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
         # Few, large programs: the interpreter's cost is per program and per op, not per element.
         return dict(BLOCK_M=_pow2_clamp(m, 16, 8192), BLOCK_N=_pow2_clamp(n, 16, 64), BLOCK_K=_pow2_clamp(k, 16, 8192))
     block_k = 32 if dtype == torch.float32 else 64
+    block_m = 128 if m >= 128 else 64
+    block_n = _pow2_clamp(n, 16, 128)
     return dict(
-        BLOCK_M=128 if m >= 128 else 64,
-        BLOCK_N=_pow2_clamp(n, 16, 128),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         BLOCK_K=_pow2_clamp(k, 16, block_k),
-        num_warps=4,
+        num_warps=8 if block_m * block_n >= 128 * 128 else 4,
         num_stages=3,
     )
 
@@ -98,11 +101,17 @@ def _fprop_triton(x, weight, bias, mean, invstd, gamma, beta, stride, padding, d
     return _to_input_format(y, x)
 
 
-def _wgrad_split(m_total: int, tiles: int, block_k: int) -> int:
-    """K-split of the wgrad reduction: enough programs to fill a GPU, one under the interpreter."""
-    if interpreting():
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _wgrad_split(m_total: int, tiles: int, block_k: int, device: torch.device) -> int:
+    """K-split of the wgrad reduction: about two programs per SM on a GPU, one under the interpreter."""
+    if interpreting() or device.type != "cuda":
         return 1
-    return max(1, min(64, 2 * 132 // max(tiles, 1), m_total // (8 * block_k)))
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(64, 2 * sms // max(tiles, 1), m_total // (8 * block_k)))
 
 
 def _backward_triton(dy, x, weight, mean, invstd, gamma, beta, stride, padding, dilation, groups, batch_stats_mode, has_bias):
@@ -118,8 +127,9 @@ def _backward_triton(dy, x, weight, mean, invstd, gamma, beta, stride, padding, 
     out = torch.empty_like(xm)
     cfg = _gemm_blocks(M, Cg, Kg, x.dtype)
     m_tiles = triton.cdiv(M, cfg["BLOCK_M"])
-    psum_dz = torch.zeros(m_tiles, C, device=x.device, dtype=torch.float32)
-    psum_dzx = torch.zeros_like(psum_dz)
+    # Every (tile, channel) entry is written by the dgrad grid, so no zero-fill is needed.
+    psum_dz = torch.empty(m_tiles, C, device=x.device, dtype=torch.float32)
+    psum_dzx = torch.empty_like(psum_dz)
     if M > 0:
         w_d = weight.permute(2, 3, 0, 1).contiguous()
         grid = (m_tiles, triton.cdiv(Cg, cfg["BLOCK_N"]), groups)
@@ -142,9 +152,10 @@ def _backward_triton(dy, x, weight, mean, invstd, gamma, beta, stride, padding, 
     m_total = N * P * Q
     wcfg = _gemm_blocks(Kg, Cg, m_total, x.dtype)
     tiles = R * S * triton.cdiv(Kg, wcfg["BLOCK_M"]) * triton.cdiv(Cg, wcfg["BLOCK_N"]) * groups
-    split = _wgrad_split(m_total, tiles, wcfg["BLOCK_K"])
+    split = _wgrad_split(m_total, tiles, wcfg["BLOCK_K"], x.device)
     chunk = triton.cdiv(triton.cdiv(max(m_total, 1), split), wcfg["BLOCK_K"]) * wcfg["BLOCK_K"]
-    dw_part = torch.zeros(split, Kout, Cg, R, S, device=x.device, dtype=torch.float32)
+    alloc = torch.empty if m_total > 0 else torch.zeros  # the wgrad grid writes every entry
+    dw_part = alloc(split, Kout, Cg, R, S, device=x.device, dtype=torch.float32)
     if m_total > 0:
         grid = (R * S * triton.cdiv(Kg, wcfg["BLOCK_M"]), triton.cdiv(Cg, wcfg["BLOCK_N"]), groups * split)
         K_._wgrad_kernel[grid](

@@ -97,7 +97,7 @@ def _batch_stats_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     part_mean = torch.empty(parts, C, device=x.device, dtype=torch.float32)
     part_m2 = torch.empty_like(part_mean)
     _stats_partial_kernel[(parts, triton.cdiv(C, block_c))](
-        xm, part_mean, part_m2, M, C, BLOCK_M=block_m, BLOCK_C=block_c
+        xm, part_mean, part_m2, M, C, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=8
     )
     mean = torch.empty(C, device=x.device, dtype=torch.float32)
     var = torch.empty_like(mean)
