@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fused_preact.modules import FusedPreActBlock, FusedPreActBottleneck
+from fused_preact.modules import FusedPreActBlock, FusedPreActBottleneck, build_basic_layers, build_bottleneck_layers
 
 __all__ = [
     "PreActBlock",
@@ -46,14 +46,7 @@ class PreActBlock(nn.Module):
     def __init__(self, in_planes: int, planes: int, stride: int = 1, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  device=None, dtype=None):
         super().__init__()
-        kw = dict(device=device, dtype=dtype)
-        self.bn1 = nn.BatchNorm2d(in_planes, eps=eps, momentum=momentum, **kw)
-        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False, **kw)
-        self.bn2 = nn.BatchNorm2d(planes, eps=eps, momentum=momentum, **kw)
-        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False, **kw)
-        self.shortcut = (
-            nn.Conv2d(in_planes, planes, 1, stride, bias=False, **kw) if stride != 1 or in_planes != planes else None
-        )
+        build_basic_layers(self, in_planes, planes, stride, eps, momentum, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = F.relu(self.bn1(x))
@@ -70,19 +63,7 @@ class PreActBottleneck(nn.Module):
     def __init__(self, in_planes: int, planes: int, stride: int = 1, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  device=None, dtype=None):
         super().__init__()
-        kw = dict(device=device, dtype=dtype)
-        out_planes = planes * self.expansion
-        self.bn1 = nn.BatchNorm2d(in_planes, eps=eps, momentum=momentum, **kw)
-        self.conv1 = nn.Conv2d(in_planes, planes, 1, bias=False, **kw)
-        self.bn2 = nn.BatchNorm2d(planes, eps=eps, momentum=momentum, **kw)
-        self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False, **kw)
-        self.bn3 = nn.BatchNorm2d(planes, eps=eps, momentum=momentum, **kw)
-        self.conv3 = nn.Conv2d(planes, out_planes, 1, bias=False, **kw)
-        self.shortcut = (
-            nn.Conv2d(in_planes, out_planes, 1, stride, bias=False, **kw)
-            if stride != 1 or in_planes != out_planes
-            else None
-        )
+        build_bottleneck_layers(self, in_planes, planes, stride, eps, momentum, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = F.relu(self.bn1(x))

@@ -137,6 +137,39 @@ def _bn(c, eps, momentum, affine=True, track_running_stats=True, **kw):
     return nn.BatchNorm2d(c, eps=eps, momentum=momentum, affine=affine, track_running_stats=track_running_stats, **kw)
 
 
+def build_basic_layers(block: nn.Module, in_planes: int, planes: int, stride: int, eps: float,
+                       momentum: Optional[float], **factory) -> None:
+    """Give ``block`` the basic unit's children: ``bn1, conv1 (3×3, stride), bn2, conv2 (3×3), shortcut``.
+
+    ``shortcut`` is a 1×1 strided conv (no BN) when the shape changes, else ``None``. Shared by the
+    fused and the eager block so both have the same parameters in the same order.
+    """
+    block.bn1 = _bn(in_planes, eps, momentum, **factory)
+    block.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False, **factory)
+    block.bn2 = _bn(planes, eps, momentum, **factory)
+    block.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False, **factory)
+    block.shortcut = (
+        nn.Conv2d(in_planes, planes, 1, stride, bias=False, **factory) if stride != 1 or in_planes != planes else None
+    )
+
+
+def build_bottleneck_layers(block: nn.Module, in_planes: int, planes: int, stride: int, eps: float,
+                            momentum: Optional[float], **factory) -> None:
+    """Give ``block`` the bottleneck's children: ``bn1, conv1 1×1, bn2, conv2 3×3 (stride), bn3, conv3 1×1``
+    to ``4·planes``, and ``shortcut`` (1×1 strided conv when the shape changes, else ``None``)."""
+    out_planes = planes * 4
+    block.bn1 = _bn(in_planes, eps, momentum, **factory)
+    block.conv1 = nn.Conv2d(in_planes, planes, 1, bias=False, **factory)
+    block.bn2 = _bn(planes, eps, momentum, **factory)
+    block.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False, **factory)
+    block.bn3 = _bn(planes, eps, momentum, **factory)
+    block.conv3 = nn.Conv2d(planes, out_planes, 1, bias=False, **factory)
+    block.shortcut = (
+        nn.Conv2d(in_planes, out_planes, 1, stride, bias=False, **factory) if stride != 1 or in_planes != out_planes
+        else None
+    )
+
+
 class FusedBNReLUConv2d(_FusedBase):
     """BatchNorm2d → ReLU → Conv2d as one fused module (a pre-activation unit's basic step).
 
@@ -218,14 +251,7 @@ class FusedPreActBlock(_FusedBase):
     def __init__(self, in_planes: int, planes: int, stride: int = 1, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  backend: str = "auto", device=None, dtype=None):
         super().__init__(backend)
-        kw = dict(device=device, dtype=dtype)
-        self.bn1 = _bn(in_planes, eps, momentum, **kw)
-        self.conv1 = nn.Conv2d(in_planes, planes, 3, stride, 1, bias=False, **kw)
-        self.bn2 = _bn(planes, eps, momentum, **kw)
-        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False, **kw)
-        self.shortcut = (
-            nn.Conv2d(in_planes, planes, 1, stride, bias=False, **kw) if stride != 1 or in_planes != planes else None
-        )
+        build_basic_layers(self, in_planes, planes, stride, eps, momentum, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shortcut is not None:
@@ -253,19 +279,7 @@ class FusedPreActBottleneck(_FusedBase):
     def __init__(self, in_planes: int, planes: int, stride: int = 1, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  backend: str = "auto", device=None, dtype=None):
         super().__init__(backend)
-        kw = dict(device=device, dtype=dtype)
-        out_planes = planes * self.expansion
-        self.bn1 = _bn(in_planes, eps, momentum, **kw)
-        self.conv1 = nn.Conv2d(in_planes, planes, 1, bias=False, **kw)
-        self.bn2 = _bn(planes, eps, momentum, **kw)
-        self.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False, **kw)
-        self.bn3 = _bn(planes, eps, momentum, **kw)
-        self.conv3 = nn.Conv2d(planes, out_planes, 1, bias=False, **kw)
-        self.shortcut = (
-            nn.Conv2d(in_planes, out_planes, 1, stride, bias=False, **kw)
-            if stride != 1 or in_planes != out_planes
-            else None
-        )
+        build_bottleneck_layers(self, in_planes, planes, stride, eps, momentum, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shortcut is not None:
