@@ -197,3 +197,14 @@ def test_forced_triton_on_cpu_without_interpreter_is_a_clear_error():
     assert "ERR fused_preact: backend='triton' cannot serve this input" in out.stdout
     assert "TRITON_INTERPRET=1" in out.stdout
     assert "AUTO reference triton: CPU tensor and Triton's interpreter is off" in out.stdout
+
+
+def test_backends_report():
+    from fused_preact import backends
+
+    report = backends(["cpu"])
+    assert set(report) == {"triton", "reference"}
+    assert report["reference"]["cpu/float64"] == "ok"
+    assert "not in" in report["triton"]["cpu/float64"]
+    expected = "ok" if DEVICE == "cpu" else "interpreter is off"
+    assert expected in report["triton"]["cpu/float32"]

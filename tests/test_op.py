@@ -155,3 +155,20 @@ def test_deterministic():
 
     for a, b in zip(once(), once()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_offsets_beyond_int32():
+    """x with more than 2^31 elements: every offset that scales with the activation is int64."""
+    N, C, H, W = 1, 8, 16384, 16400
+    assert N * C * H * W > 2**31
+    x = torch.randn(N, H, W, C, device="cuda", dtype=torch.bfloat16).permute(0, 3, 1, 2)  # channels_last
+    w = torch.randn(16, C, 1, 1, device="cuda", dtype=torch.bfloat16)
+    gamma = torch.rand(C, device="cuda") + 0.5
+    beta = torch.randn(C, device="cuda")
+    y = bn_relu_conv2d(x, w, None, None, None, gamma, beta, True, backend="triton")
+    full_var, full_mean = torch.var_mean(x.float(), dim=(0, 2, 3), correction=0)
+    a = torch.relu((x[:, :, -8:].float() - full_mean[:, None, None]) * torch.rsqrt(full_var + 1e-5)[:, None, None]
+                   * gamma[:, None, None] + beta[:, None, None])
+    ref = torch.nn.functional.conv2d(a, w.float())
+    assert_close(y[:, :, -8:], ref, torch.bfloat16, "tail of a >2^31-element input")
