@@ -18,8 +18,8 @@ _LAZY = {
     "FusedBNReLUConv2d": "fused_preact.modules",
     "FusedPreActBlock": "fused_preact.modules",
     "FusedPreActBottleneck": "fused_preact.modules",
-    "backends": "fused_preact.backends",
-    "select_backend": "fused_preact.backends",
+    "backends": "fused_preact.dispatch",
+    "select_backend": "fused_preact.dispatch",
 }
 _SUBMODULES = ("models", "ops", "modules", "data", "train")
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fused_preact.backends import select_backend
+from fused_preact.dispatch import select_backend
 from fused_preact.ops import bn_relu_conv2d_with_stats, bn_statistics
 
 __all__ = ["FusedBNReLUConv2d", "FusedPreActBlock", "FusedPreActBottleneck", "fused_bn_relu_convs"]
@@ -176,7 +176,7 @@ class FusedBNReLUConv2d(_FusedBase):
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias: as ``nn.Conv2d``.
         eps, momentum, affine, track_running_stats: as ``nn.BatchNorm2d``.
-        backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see ``fused_preact.backends``).
+        backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see ``fused_preact.dispatch``).
         device, dtype: factory kwargs for both children.
 
     Shapes: input (N, in_channels, H, W), NCHW or channels_last; output (N, out_channels, P, Q) in
@@ -232,7 +232,7 @@ class FusedPreActBlock(_FusedBase):
     Args:
         in_planes: input channels. planes: output channels (``expansion = 1``).
         stride: stride of conv1 and of the projection shortcut.
-        eps, momentum: of both BatchNorms. backend: see ``fused_preact.backends``.
+        eps, momentum: of both BatchNorms. backend: see ``fused_preact.dispatch``.
 
     Attributes: ``bn1``, ``conv1`` (3×3, stride), ``bn2``, ``conv2`` (3×3), and ``shortcut``: a 1×1
     conv with the block's stride (no BN) when the shape changes, otherwise ``None``.

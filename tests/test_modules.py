@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from conftest import DEVICE
 from fused_preact import FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottleneck
-from fused_preact.backends import BACKENDS, select_backend
+from fused_preact.dispatch import BACKENDS, select_backend
 from fused_preact.models import PreActBlock, PreActBottleneck
 from helpers import assert_close
 

@@ -11,7 +11,7 @@ __all__ = ["triton", "tl", "as_nhwc", "wants_channels_last", "conv_out_size", "d
 
 def interpreting() -> bool:
     """True when the Triton kernels run under Triton's CPU interpreter."""
-    from fused_preact.backends import triton_mode
+    from fused_preact.dispatch import triton_mode
 
     return triton_mode() == "interpreter"
 

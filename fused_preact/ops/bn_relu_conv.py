@@ -404,7 +404,7 @@ def bn_relu_conv2d(
         running_mean, running_var, bn_weight, bn_bias, training, momentum, eps: as ``F.batch_norm``
             (running buffers are updated in place in training).
         stride, padding, dilation, groups: as ``F.conv2d``.
-        backend: ``"auto"`` (first backend in ``fused_preact.backends.PRIORITY`` that can serve x),
+        backend: ``"auto"`` (first backend in ``fused_preact.dispatch.PRIORITY`` that can serve x),
             ``"triton"`` or ``"reference"`` (plain PyTorch).
 
     Returns:
@@ -414,7 +414,7 @@ def bn_relu_conv2d(
         RuntimeError: a forced backend cannot serve x (the message says why).
         ValueError: training with one value per channel; unknown backend name.
     """
-    from fused_preact.backends import select_backend
+    from fused_preact.dispatch import select_backend
 
     choice = select_backend(backend, x)
     if choice.name == "reference":

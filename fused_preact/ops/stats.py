@@ -87,7 +87,7 @@ def _stats_blocks(M: int, C: int, interpret: bool) -> tuple[int, int]:
 
 
 def _batch_stats_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from fused_preact.backends import triton_mode
+    from fused_preact.dispatch import triton_mode
 
     N, C, H, W = x.shape
     M = N * H * W
