@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fused_preact.dispatch import select_backend
-from fused_preact.ops import bn_relu_conv2d_with_stats, bn_statistics
+from fused_preact.ops import bn_relu_conv2d_with_stats, bn_statistics, check_inputs
 
 __all__ = ["FusedBNReLUConv2d", "FusedPreActBlock", "FusedPreActBottleneck", "fused_bn_relu_convs"]
 
@@ -49,7 +49,7 @@ def _bn_forward_args(bn: nn.BatchNorm2d):
     )
 
 
-def _validate(x: torch.Tensor, bn: nn.BatchNorm2d) -> None:
+def _validate(x: torch.Tensor, bn: nn.BatchNorm2d, convs: list[nn.Conv2d]) -> None:
     if x.dim() != 4:
         raise ValueError(f"expected 4D input (got {x.dim()}D input)")
     if x.shape[1] != bn.num_features:
@@ -58,6 +58,9 @@ def _validate(x: torch.Tensor, bn: nn.BatchNorm2d) -> None:
         )
     if bn.training and x.shape[0] * x.shape[2] * x.shape[3] == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
+    for c in convs:
+        if not isinstance(c.padding, str):
+            check_inputs(x, c.weight, c.bias, c.stride, c.padding, c.dilation, c.groups)
 
 
 def _conv_reasons(conv: nn.Conv2d) -> list[str]:
@@ -89,7 +92,7 @@ def fused_bn_relu_convs(owner: nn.Module, x: torch.Tensor, bn: nn.BatchNorm2d, c
         ValueError / RuntimeError: bad input rank or channel count, one value per channel in
             training, or a forced backend that cannot serve the input.
     """
-    _validate(x, bn)
+    _validate(x, bn, convs)
     requested = owner.backend
     conv_reasons = [r for c in convs for r in _conv_reasons(c)]
     if conv_reasons and requested not in ("auto", "reference"):

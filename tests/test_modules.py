@@ -163,11 +163,15 @@ def test_unknown_backend():
         (torch.randn(2, 3, 5), ValueError, "expected 4D input"),
         (torch.randn(2, 4, 5, 5), RuntimeError, "expected input with 3 channels"),
         (torch.randn(1, 3, 1, 1), ValueError, "Expected more than 1 value per channel when training"),
+        (torch.ones(2, 3, 4, 4, dtype=torch.long), RuntimeError, "expected a floating-point input, got torch.int64"),
+        (torch.ones(2, 3, 4, 4, dtype=torch.bool), RuntimeError, "expected a floating-point input, got torch.bool"),
+        (torch.randn(2, 3, 4, 4, dtype=torch.float16), RuntimeError, r"Input type \(torch.float16\) and weight type"),
+        (torch.randn(2, 3, 1, 4), RuntimeError, "Output size is too small"),
     ],
-    ids=["rank", "channels", "one-value"],
+    ids=["rank", "channels", "one-value", "int", "bool", "dtype-mismatch", "too-small"],
 )
 def test_bad_input_raises_and_leaves_buffers(x, exc, match):
-    m = FusedBNReLUConv2d(3, 4, 1, backend="triton").to(DEVICE)
+    m = FusedBNReLUConv2d(3, 4, (3, 1), backend="triton").to(DEVICE)
     before = copy.deepcopy(m.state_dict())
     with pytest.raises(exc, match=match):
         m(x.to(DEVICE))
@@ -208,3 +212,30 @@ def test_backends_report():
     assert "not in" in report["triton"]["cpu/float64"]
     expected = "ok" if DEVICE == "cpu" else "interpreter is off"
     assert expected in report["triton"]["cpu/float32"]
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(groups=2), "Given groups=2"),
+        (dict(stride=0), "need stride"),
+        (dict(padding=(1, 2, 3)), "pair of ints"),
+    ],
+    ids=["groups", "stride", "padding"],
+)
+def test_functional_bad_conv_arguments(kw, match):
+    from fused_preact.ops import bn_relu_conv2d
+
+    rm, rv = torch.zeros(3, device=DEVICE), torch.ones(3, device=DEVICE)
+    with pytest.raises((RuntimeError, ValueError), match=match):
+        bn_relu_conv2d(torch.randn(2, 3, 5, 5, device=DEVICE), torch.randn(4, 3, 3, 3, device=DEVICE),
+                       running_mean=rm, running_var=rv, training=True, backend="triton", **kw)
+    assert torch.equal(rm, torch.zeros(3, device=DEVICE)) and torch.equal(rv, torch.ones(3, device=DEVICE))
+
+
+@pytest.mark.gpu
+def test_device_mismatch():
+    m = FusedBNReLUConv2d(3, 4, 1, backend="triton").cuda()
+    m.conv.weight.data = m.conv.weight.data.cpu()
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        m(torch.randn(2, 3, 4, 4, device="cuda"))

@@ -7,6 +7,7 @@ from fused_preact.ops.bn_relu_conv import (
     bn_relu_conv2d_reference,
     bn_relu_conv2d_with_stats,
     bn_statistics,
+    check_inputs,
 )
 
 __all__ = [
@@ -17,4 +18,5 @@ __all__ = [
     "bn_relu_conv2d_reference",
     "bn_relu_conv2d_with_stats",
     "bn_statistics",
+    "check_inputs",
 ]

@@ -31,6 +31,7 @@ from fused_preact.ops.stats import batch_stats
 
 __all__ = [
     "BNStats",
+    "check_inputs",
     "bn_statistics",
     "bn_relu_conv2d",
     "bn_relu_conv2d_with_stats",
@@ -299,6 +300,57 @@ def _pair(v: _IntOr2, name: str) -> list[int]:
     return [int(i) for i in v]
 
 
+def check_inputs(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    stride: _IntOr2,
+    padding: _IntOr2,
+    dilation: _IntOr2,
+    groups: int,
+) -> None:
+    """Validate a BN→ReLU→Conv call before anything runs or any buffer changes.
+
+    Mirrors the checks (and exception types) of ``F.batch_norm`` / ``F.conv2d``.
+
+    Raises:
+        ValueError: ``x`` is not 4-D; malformed stride/padding/dilation.
+        RuntimeError: non-floating input; input/weight/bias dtypes differ (outside autocast); tensors
+            on different devices; ``groups`` does not divide the channels or does not match the weight;
+            the output's spatial size would be ≤ 0.
+    """
+    if x.dim() != 4:
+        raise ValueError(f"expected 4D input (got {x.dim()}D input)")
+    if not x.is_floating_point():
+        raise RuntimeError(f"fused_preact: expected a floating-point input, got {x.dtype}")
+    if weight.dim() != 4:
+        raise RuntimeError(f"fused_preact: expected a 4D conv weight (K, C/groups, R, S), got shape {list(weight.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found at least two devices, {x.device} and "
+                f"{t.device}! ({name})"
+            )
+        if t is not None and t.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise RuntimeError(f"Input type ({x.dtype}) and {name} type ({t.dtype}) should be the same")
+    C = x.shape[1]
+    if groups < 1 or C % groups or weight.shape[0] % groups or weight.shape[1] * groups != C:
+        raise RuntimeError(
+            f"Given groups={groups}, weight of size {list(weight.shape)}, expected input{list(x.shape)} to have "
+            f"{weight.shape[1] * groups} channels, but got {C} channels instead"
+        )
+    st, pd, dl = _pair(stride, "stride"), _pair(padding, "padding"), _pair(dilation, "dilation")
+    if min(st) < 1 or min(dl) < 1 or min(pd) < 0:
+        raise ValueError(f"fused_preact: need stride ≥ 1, dilation ≥ 1, padding ≥ 0; got {st}, {dl}, {pd}")
+    P = conv_out_size(x.shape[2], weight.shape[2], st[0], pd[0], dl[0])
+    Q = conv_out_size(x.shape[3], weight.shape[3], st[1], pd[1], dl[1])
+    if P <= 0 or Q <= 0:
+        raise RuntimeError(
+            f"Calculated output size: ({P}x{Q}). Output size is too small (input {list(x.shape[2:])}, "
+            f"kernel {list(weight.shape[2:])}, stride {st}, padding {pd}, dilation {dl})"
+        )
+
+
 def bn_statistics(
     x: torch.Tensor,
     running_mean: Optional[torch.Tensor],
@@ -416,6 +468,7 @@ def bn_relu_conv2d(
     """
     from fused_preact.dispatch import select_backend
 
+    check_inputs(x, weight, bias, stride, padding, dilation, groups)
     choice = select_backend(backend, x)
     if choice.name == "reference":
         return bn_relu_conv2d_reference(
