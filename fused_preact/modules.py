@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fused_preact.dispatch import select_backend
-from fused_preact.ops import bn_relu_conv2d_with_stats, bn_statistics, check_inputs
+from fused_preact.ops import bn_relu_conv2d_with_stats, bn_statistics, check_inputs, check_training_batch
 
 __all__ = ["FusedBNReLUConv2d", "FusedPreActBlock", "FusedPreActBottleneck", "fused_bn_relu_convs"]
 
@@ -56,8 +56,8 @@ def _validate(x: torch.Tensor, bn: nn.BatchNorm2d, convs: list[nn.Conv2d]) -> No
         raise RuntimeError(
             f"fused_preact: expected input with {bn.num_features} channels (BatchNorm2d num_features), got {x.shape[1]}"
         )
-    if bn.training and x.shape[0] * x.shape[2] * x.shape[3] == 1:
-        raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
+    if bn.training:
+        check_training_batch(x)
     for c in convs:
         if not isinstance(c.padding, str):
             check_inputs(x, c.weight, c.bias, c.stride, c.padding, c.dilation, c.groups)

@@ -80,7 +80,19 @@ def _step(model, opt, x, y, device):
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Train both builds and compare; returns the results as a dict (see README for the fields)."""
+    """Train the builds in lockstep and compare them.
+
+    Returns a dict: ``losses`` (per build, per-step fp32 training loss), ``max_rel_divergence``
+    (largest |fused − eager|/|eager| over the steps), ``fp64_noise_floor`` (the same for eager fp32 vs
+    the float64 twin, or None), ``eval`` / ``eval_rel_divergence`` / ``eval_fp64_noise_floor`` (test
+    loss and accuracy in eval mode), ``median_step_ms`` (wall ms per step after 3 warm-up steps),
+    ``peak_step_mem_bytes`` (CUDA: peak allocation above the step's start, bytes; None on CPU),
+    ``fused_paths`` (backend that ran and any fallback reason), ``ok`` (the pass rule of the module
+    docstring), and the run's settings.
+
+    Raises:
+        FileNotFoundError / ImportError: from the data loaders.
+    """
     import torch
     import torch.nn.functional as F
 

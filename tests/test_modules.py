@@ -17,7 +17,7 @@ from conftest import DEVICE
 from fused_preact import FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottleneck
 from fused_preact.dispatch import BACKENDS, select_backend
 from fused_preact.models import PreActBlock, PreActBottleneck
-from helpers import assert_close
+from helpers import assert_close, rel_err
 
 
 def _randomize_bn(model: nn.Module, seed: int = 0) -> None:
@@ -119,12 +119,18 @@ def test_identity_shortcut_reads_raw_input():
 
 
 def test_projection_reads_preactivation_and_shares_bn1_stats():
-    """bn1 is counted once per forward although its statistics feed conv1 and the projection."""
+    """bn1 is counted once per forward although its statistics feed conv1 and the projection, and
+    with the residual branch zeroed the block is exactly the projection of relu(bn1(x))."""
     block = FusedPreActBlock(4, 8, stride=2, backend="triton").to(DEVICE)
+    _randomize_bn(block, seed=3)
     block(torch.randn(2, 4, 6, 6, device=DEVICE))
     assert int(block.bn1.num_batches_tracked) == 1
-    a = torch.relu(block.bn1.eval()(torch.ones(1, 4, 2, 2, device=DEVICE)))
-    assert block.shortcut is not None and block.shortcut.in_channels == a.shape[1]
+    nn.init.zeros_(block.conv2.weight)
+    block.eval()
+    x = torch.randn(2, 4, 6, 6, device=DEVICE) * 2 + 1
+    expected = block.shortcut(torch.relu(block.bn1(x)))
+    assert_close(block(x), expected.double(), torch.float32, "projection of the pre-activation")
+    assert rel_err(block(x), block.shortcut(x)) > 1e-2  # projecting raw x would be distinguishable
 
 
 def test_auto_falls_back_visibly(monkeypatch):

@@ -8,6 +8,7 @@ from fused_preact.ops.bn_relu_conv import (
     bn_relu_conv2d_with_stats,
     bn_statistics,
     check_inputs,
+    check_training_batch,
 )
 
 __all__ = [
@@ -19,4 +20,5 @@ __all__ = [
     "bn_relu_conv2d_with_stats",
     "bn_statistics",
     "check_inputs",
+    "check_training_batch",
 ]

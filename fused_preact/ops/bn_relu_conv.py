@@ -32,6 +32,7 @@ from fused_preact.ops.stats import batch_stats
 __all__ = [
     "BNStats",
     "check_inputs",
+    "check_training_batch",
     "bn_statistics",
     "bn_relu_conv2d",
     "bn_relu_conv2d_with_stats",
@@ -351,6 +352,13 @@ def check_inputs(
         )
 
 
+def check_training_batch(x: torch.Tensor) -> None:
+    """Raise ``ValueError`` if (N, C, H, W) ``x`` has one value per channel (N·H·W == 1), as
+    ``F.batch_norm`` does in training: "Expected more than 1 value per channel when training"."""
+    if x.shape[0] * x.shape[2] * x.shape[3] == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
+
+
 def bn_statistics(
     x: torch.Tensor,
     running_mean: Optional[torch.Tensor],
@@ -378,9 +386,8 @@ def bn_statistics(
             training", as PyTorch); eval mode without running statistics.
     """
     if training:
+        check_training_batch(x)
         count = x.shape[0] * x.shape[2] * x.shape[3]
-        if count == 1:
-            raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(x.shape)}")
         mean, var = batch_stats(x)
         if running_mean is not None and running_var is not None:
             with torch.no_grad():

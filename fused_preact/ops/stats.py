@@ -78,21 +78,19 @@ def _stats_combine_kernel(
 
 
 # -------------------------------------------------------------------------------------- launcher
-def _stats_blocks(M: int, C: int, interpret: bool) -> tuple[int, int]:
+def _stats_blocks(M: int, C: int) -> tuple[int, int]:
     block_c = max(16, min(64, triton.next_power_of_2(C)))
-    # 256-row tiles keep each tile's fp32 sums short; the interpreter's sums are sequential, so it
-    # needs short tiles even more than a GPU's tree reductions do.
-    block_m = 256 if not interpret else max(16, min(256, triton.next_power_of_2(M)))
+    # ≤ 256-row tiles keep each tile's fp32 sums short (the interpreter's sums are sequential, a
+    # GPU's are trees); the k-way fold combines the tiles accurately.
+    block_m = max(16, min(256, triton.next_power_of_2(M)))
     return block_m, block_c
 
 
 def _batch_stats_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from fused_preact.dispatch import triton_mode
-
     N, C, H, W = x.shape
     M = N * H * W
     xm = as_nhwc(x)
-    block_m, block_c = _stats_blocks(M, C, triton_mode() == "interpreter")
+    block_m, block_c = _stats_blocks(M, C)
     parts = triton.cdiv(M, block_m)
     part_mean = torch.empty(parts, C, device=x.device, dtype=torch.float32)
     part_m2 = torch.empty_like(part_mean)
