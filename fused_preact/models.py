@@ -31,6 +31,8 @@ __all__ = [
     "preact_resnet50",
     "preact_resnet101",
     "preact_resnet152",
+    "preact_resnext50_32x4d",
+    "preact_resnext101_32x8d",
     "preact_resnet_cifar",
     "preact_resnet110",
     "preact_resnet164",
@@ -61,9 +63,10 @@ class PreActBottleneck(nn.Module):
     expansion = 4
 
     def __init__(self, in_planes: int, planes: int, stride: int = 1, eps: float = 1e-5, momentum: Optional[float] = 0.1,
-                 device=None, dtype=None):
+                 groups: int = 1, base_width: int = 64, device=None, dtype=None):
         super().__init__()
-        build_bottleneck_layers(self, in_planes, planes, stride, eps, momentum, device=device, dtype=dtype)
+        build_bottleneck_layers(self, in_planes, planes, stride, eps, momentum, groups, base_width,
+                                device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = F.relu(self.bn1(x))
@@ -83,15 +86,22 @@ class PreActResNet(nn.Module):
         stem_width: channels after the stem. num_classes: classifier outputs.
         fused: build from :mod:`fused_preact.modules` blocks (True) or the eager twins (False).
         backend: passed to every fused block (ignored when ``fused=False``).
+        groups, base_width: ResNeXt cardinality and width per group of every bottleneck's 3×3 conv
+            (``groups=1, base_width=64``: a ResNet). Basic blocks require the defaults.
+
+    Raises:
+        ValueError: unknown ``block``/``stem``, or ``groups``/``base_width`` given for basic blocks.
 
     Input (N, 3, H, W) float, NCHW or channels_last; output (N, num_classes) logits.
     """
 
     def __init__(self, block: str, layers: list[int], widths: list[int], stem: str, stem_width: int,
-                 num_classes: int, fused: bool = True, backend: str = "auto"):
+                 num_classes: int, fused: bool = True, backend: str = "auto", groups: int = 1, base_width: int = 64):
         super().__init__()
         if block not in ("basic", "bottleneck"):
             raise ValueError(f"block must be 'basic' or 'bottleneck', got {block!r}")
+        if block == "basic" and (groups, base_width) != (1, 64):
+            raise ValueError(f"basic blocks support only groups=1, base_width=64 (got {groups}, {base_width})")
         if stem not in ("imagenet", "cifar"):
             raise ValueError(f"stem must be 'imagenet' or 'cifar', got {stem!r}")
         cls: Type[nn.Module]
@@ -100,6 +110,8 @@ class PreActResNet(nn.Module):
         else:
             cls = PreActBlock if block == "basic" else PreActBottleneck
         kw = dict(backend=backend) if fused else {}
+        if block == "bottleneck":
+            kw.update(groups=groups, base_width=base_width)
         if stem == "imagenet":
             self.stem = nn.Sequential(
                 nn.Conv2d(3, stem_width, 7, 2, 3, bias=False), nn.MaxPool2d(3, 2, 1)
@@ -129,8 +141,8 @@ class PreActResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-def _imagenet(block: str, layers: list[int], num_classes: int, fused: bool, backend: str) -> PreActResNet:
-    return PreActResNet(block, layers, [64, 128, 256, 512], "imagenet", 64, num_classes, fused, backend)
+def _imagenet(block: str, layers: list[int], num_classes: int, fused: bool, backend: str, **kw) -> PreActResNet:
+    return PreActResNet(block, layers, [64, 128, 256, 512], "imagenet", 64, num_classes, fused, backend, **kw)
 
 
 def preact_resnet18(num_classes: int = 1000, fused: bool = True, backend: str = "auto") -> PreActResNet:
@@ -156,6 +168,17 @@ def preact_resnet101(num_classes: int = 1000, fused: bool = True, backend: str =
 def preact_resnet152(num_classes: int = 1000, fused: bool = True, backend: str = "auto") -> PreActResNet:
     """PreActResNet-152 (bottlenecks [3, 8, 36, 3])."""
     return _imagenet("bottleneck", [3, 8, 36, 3], num_classes, fused, backend)
+
+
+def preact_resnext50_32x4d(num_classes: int = 1000, fused: bool = True, backend: str = "auto") -> PreActResNet:
+    """Pre-activation ResNeXt-50 (32×4d): bottlenecks [3, 4, 6, 3] with 32-group 3×3 convs of width
+    4 per group in the first stage (Xie et al., "Aggregated Residual Transformations", CVPR 2017, Table 1)."""
+    return _imagenet("bottleneck", [3, 4, 6, 3], num_classes, fused, backend, groups=32, base_width=4)
+
+
+def preact_resnext101_32x8d(num_classes: int = 1000, fused: bool = True, backend: str = "auto") -> PreActResNet:
+    """Pre-activation ResNeXt-101 (32×8d): bottlenecks [3, 4, 23, 3], 32 groups of width 8."""
+    return _imagenet("bottleneck", [3, 4, 23, 3], num_classes, fused, backend, groups=32, base_width=8)
 
 
 def preact_resnet_cifar(depth: int, num_classes: int = 10, fused: bool = True, backend: str = "auto",

@@ -23,8 +23,9 @@ import torch.nn.functional as F
 
 from fused_preact.dispatch import select_backend
 from fused_preact.ops import bn_relu_conv2d_with_stats, bn_statistics, check_inputs, check_training_batch
+from fused_preact.ops.sync_stats import sync_bn_statistics, sync_enabled
 
-__all__ = ["FusedBNReLUConv2d", "FusedPreActBlock", "FusedPreActBottleneck", "fused_bn_relu_convs"]
+__all__ = ["FusedBNReLUConv2d", "FusedPreActBlock", "FusedPreActBottleneck", "bottleneck_width", "convert_sync_batchnorm", "fused_bn_relu_convs"]
 
 logger = logging.getLogger("fused_preact")
 
@@ -56,7 +57,7 @@ def _validate(x: torch.Tensor, bn: nn.BatchNorm2d, convs: list[nn.Conv2d]) -> No
         raise RuntimeError(
             f"fused_preact: expected input with {bn.num_features} channels (BatchNorm2d num_features), got {x.shape[1]}"
         )
-    if bn.training:
+    if bn.training and not sync_enabled(bn):  # nn.SyncBatchNorm leaves the global count unchecked
         check_training_batch(x)
     for c in convs:
         if not isinstance(c.padding, str):
@@ -76,7 +77,11 @@ def fused_bn_relu_convs(owner: nn.Module, x: torch.Tensor, bn: nn.BatchNorm2d, c
     """Run ``[conv(relu(bn(x))) for conv in convs]`` with one set of BN statistics.
 
     The BN statistics (and the running-stat update) are computed once and feed every conv, each of
-    which fuses BN+ReLU into its input prologue and saves only ``x``.
+    which fuses BN+ReLU into its input prologue and saves only ``x``. When ``bn`` is an
+    ``nn.SyncBatchNorm`` that must synchronize (training, >1 rank; see
+    :func:`fused_preact.ops.sync_stats.sync_enabled`) the statistics are all-gathered over its
+    process group and their gradients all-reduced in backward, as ``nn.SyncBatchNorm`` does — so
+    ``nn.SyncBatchNorm.convert_sync_batchnorm`` on a fused model keeps it fused *and* synchronized.
 
     Args:
         owner: the module whose ``backend`` attribute is requested and whose ``last_backend`` /
@@ -101,10 +106,22 @@ def fused_bn_relu_convs(owner: nn.Module, x: torch.Tensor, bn: nn.BatchNorm2d, c
     reason = "; ".join(conv_reasons) if conv_reasons else choice.reason
     _record(owner, choice.name, reason, x)
     bn_training, eaf, running_mean, running_var = _bn_forward_args(bn)
-    if choice.name == "reference":
+    if sync_enabled(bn):
+        stats = sync_bn_statistics(
+            x, running_mean, running_var, eaf, bn.eps, bn.process_group, fused=choice.name != "reference"
+        )
+        if choice.name == "reference":
+            shape = (1, -1, 1, 1)
+            a = (x.float() - stats.mean.view(shape)) * stats.invstd.view(shape)
+            if bn.weight is not None:
+                a = a * bn.weight.float().view(shape) + bn.bias.float().view(shape)
+            a = F.relu(a).to(x.dtype)
+            return [conv(a) for conv in convs]
+    elif choice.name == "reference":
         a = F.relu(F.batch_norm(x, running_mean, running_var, bn.weight, bn.bias, bn_training, eaf, bn.eps))
         return [conv(a) for conv in convs]
-    stats = bn_statistics(x, running_mean, running_var, bn_training, eaf, bn.eps)
+    else:
+        stats = bn_statistics(x, running_mean, running_var, bn_training, eaf, bn.eps)
     return [
         bn_relu_conv2d_with_stats(
             x, stats, c.weight, c.bias, bn.weight, bn.bias, c.stride, c.padding, c.dilation, c.groups, choice.name
@@ -156,17 +173,35 @@ def build_basic_layers(block: nn.Module, in_planes: int, planes: int, stride: in
     )
 
 
+def bottleneck_width(planes: int, groups: int = 1, base_width: int = 64) -> int:
+    """Channels of a bottleneck's 3×3 conv: ``⌊planes·base_width/64⌋·groups`` (ResNeXt, Xie et al. 2017,
+    Table 1; torchvision's ``Bottleneck`` convention). ``groups=1, base_width=64`` gives ``planes``.
+
+    Raises:
+        ValueError: ``groups`` or ``base_width`` < 1, or a width of 0.
+    """
+    if groups < 1 or base_width < 1:
+        raise ValueError(f"groups and base_width must be ≥ 1, got groups={groups}, base_width={base_width}")
+    width = (planes * base_width // 64) * groups
+    if width < 1:
+        raise ValueError(f"bottleneck width is 0 for planes={planes}, base_width={base_width}")
+    return width
+
+
 def build_bottleneck_layers(block: nn.Module, in_planes: int, planes: int, stride: int, eps: float,
-                            momentum: Optional[float], **factory) -> None:
-    """Give ``block`` the bottleneck's children: ``bn1, conv1 1×1, bn2, conv2 3×3 (stride), bn3, conv3 1×1``
-    to ``4·planes``, and ``shortcut`` (1×1 strided conv when the shape changes, else ``None``)."""
+                            momentum: Optional[float], groups: int = 1, base_width: int = 64, **factory) -> None:
+    """Give ``block`` the bottleneck's children: ``bn1, conv1 1×1, bn2, conv2 3×3 (stride, groups), bn3,
+    conv3 1×1`` to ``4·planes``, and ``shortcut`` (1×1 strided conv when the shape changes, else
+    ``None``). The inner width is :func:`bottleneck_width` (``planes`` for a ResNet, ResNeXt's
+    ``groups × base_width`` cardinality otherwise)."""
     out_planes = planes * 4
+    width = bottleneck_width(planes, groups, base_width)
     block.bn1 = _bn(in_planes, eps, momentum, **factory)
-    block.conv1 = nn.Conv2d(in_planes, planes, 1, bias=False, **factory)
-    block.bn2 = _bn(planes, eps, momentum, **factory)
-    block.conv2 = nn.Conv2d(planes, planes, 3, stride, 1, bias=False, **factory)
-    block.bn3 = _bn(planes, eps, momentum, **factory)
-    block.conv3 = nn.Conv2d(planes, out_planes, 1, bias=False, **factory)
+    block.conv1 = nn.Conv2d(in_planes, width, 1, bias=False, **factory)
+    block.bn2 = _bn(width, eps, momentum, **factory)
+    block.conv2 = nn.Conv2d(width, width, 3, stride, 1, groups=groups, bias=False, **factory)
+    block.bn3 = _bn(width, eps, momentum, **factory)
+    block.conv3 = nn.Conv2d(width, out_planes, 1, bias=False, **factory)
     block.shortcut = (
         nn.Conv2d(in_planes, out_planes, 1, stride, bias=False, **factory) if stride != 1 or in_planes != out_planes
         else None
@@ -272,17 +307,19 @@ class FusedPreActBottleneck(_FusedBase):
     input when the shape changes, else ``None`` (identity on raw x) — the same rule as
     :class:`FusedPreActBlock`.
 
-    Args: in_planes, planes (bottleneck width; output has ``4·planes`` channels), stride, eps,
-    momentum, backend as :class:`FusedPreActBlock`.
+    Args: in_planes, planes (output has ``4·planes`` channels), stride, eps, momentum, backend as
+    :class:`FusedPreActBlock`; ``groups`` and ``base_width`` make it a ResNeXt bottleneck (grouped
+    3×3 conv of width ``⌊planes·base_width/64⌋·groups``, Xie et al. 2017).
     Shapes: (N, in_planes, H, W) → (N, 4·planes, ⌈H/stride⌉, ⌈W/stride⌉).
     """
 
     expansion = 4
 
     def __init__(self, in_planes: int, planes: int, stride: int = 1, eps: float = 1e-5, momentum: Optional[float] = 0.1,
-                 backend: str = "auto", device=None, dtype=None):
+                 backend: str = "auto", groups: int = 1, base_width: int = 64, device=None, dtype=None):
         super().__init__(backend)
-        build_bottleneck_layers(self, in_planes, planes, stride, eps, momentum, device=device, dtype=dtype)
+        build_bottleneck_layers(self, in_planes, planes, stride, eps, momentum, groups, base_width,
+                                device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shortcut is not None:
@@ -291,3 +328,23 @@ class FusedPreActBottleneck(_FusedBase):
             out, sc = fused_bn_relu_convs(self, x, self.bn1, [self.conv1])[0], x
         out = fused_bn_relu_convs(self, out, self.bn2, [self.conv2])[0]
         return fused_bn_relu_convs(self, out, self.bn3, [self.conv3])[0] + sc
+
+
+def convert_sync_batchnorm(model: nn.Module, process_group=None) -> nn.Module:
+    """Turn every BatchNorm of ``model`` (fused modules included) into ``nn.SyncBatchNorm``.
+
+    This is ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` (same arguments, same result), given
+    here so the contract is explicit: the fused modules hold their BatchNorms as plain children, so
+    the converter swaps those children for ``nn.SyncBatchNorm`` and leaves the fused modules in
+    place; their forward then sees a SyncBatchNorm and synchronizes the statistics over its
+    ``process_group`` (all-gather of (count, mean, var) in forward, all-reduce of the statistics'
+    gradients in backward). Calling torch's converter directly is therefore equally safe: it cannot
+    silently turn a fused model back into an unsynchronized or unfused one.
+
+    Args:
+        model: any module tree. process_group: group to synchronize over (``None``: default group).
+
+    Returns:
+        ``model`` itself if it is not a BatchNorm, else its SyncBatchNorm replacement (as torch).
+    """
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group)

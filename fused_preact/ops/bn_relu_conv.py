@@ -261,12 +261,20 @@ def _backward(ctx, grad_out):
         grad_out, x, weight, mean, invstd, gamma, beta, stride, padding, dilation, groups,
         ctx.batch_stats, ctx.has_bias, ctx.backend,
     )
+    # Gradients of the (C,) statistics themselves, for callers whose mean/invstd are differentiable
+    # (synchronized BN computes them with autograd-aware collectives). With
+    # a = relu(γ·invstd·(x − mean) + β):  ∂L/∂mean = −scale·Σdz,  ∂L/∂invstd = γ·Σdz·x̂ / invstd.
+    g_mean = g_invstd = None
+    if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
+        gam = gamma.float() if gamma is not None else torch.ones_like(invstd)
+        g_mean = -(gam * invstd) * dbeta
+        g_invstd = gam * dgamma / invstd
     return (
         dx,
         dw,
         db if ctx.has_bias else None,
-        None,
-        None,
+        g_mean,
+        g_invstd,
         dgamma.to(gamma.dtype) if gamma is not None else None,
         dbeta.to(beta.dtype) if beta is not None else None,
         None, None, None, None, None, None,
@@ -274,6 +282,41 @@ def _backward(ctx, grad_out):
 
 
 torch.library.register_autograd("fused_preact::bn_relu_conv2d", _backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------- autocast
+_AUTOCAST_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _register_autocast(device_type: str) -> None:
+    """Autocast rule for ``fused_preact::bn_relu_conv2d``: the conv runs in the autocast dtype.
+
+    x, the conv weight and bias are cast to ``torch.get_autocast_dtype(device_type)`` (float64 is
+    left alone, as autocast does); mean/invstd stay fp32 and γ/β keep their dtype, so the
+    statistics and the scale/shift are fp32. ``torch.library.register_autocast`` would cast every
+    floating input to one fixed dtype, hence this rule. Autograd records the casts, so gradients come
+    back in the inputs' own dtypes (as for ``F.conv2d`` under autocast).
+    """
+    key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+    op = torch.ops.fused_preact.bn_relu_conv2d.default
+
+    def cast(t, dtype):
+        return t.to(dtype) if t is not None and t.dtype in _AUTOCAST_CASTABLE else t
+
+    def rule(x, weight, bias, *rest):
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            return op(cast(x, dtype), cast(weight, dtype), cast(bias, dtype), *rest)
+
+    if op.has_kernel_for_dispatch_key(key):
+        op.py_kernels.pop(key, None)
+    op.py_impl(key)(rule)  # used when the op is traced through the Python dispatcher (torch.compile)
+    _LIB.impl("bn_relu_conv2d", lambda _keyset, *args: rule(*args), key.name, with_keyset=True)
+
+
+_LIB = torch.library.Library("fused_preact", "FRAGMENT")
+for _device_type in ("cpu", "cuda"):
+    _register_autocast(_device_type)
 
 
 # ------------------------------------------------------------------------------------ functional
@@ -388,6 +431,9 @@ def bn_statistics(
     if training:
         check_training_batch(x)
         count = x.shape[0] * x.shape[2] * x.shape[3]
+        if count == 0:  # empty batch: PyTorch returns an empty output and leaves running stats alone
+            ones = torch.ones(x.shape[1], device=x.device, dtype=torch.float32)
+            return BNStats(torch.zeros_like(ones), ones, True)
         mean, var = batch_stats(x)
         if running_mean is not None and running_var is not None:
             with torch.no_grad():

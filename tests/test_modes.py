@@ -1,0 +1,154 @@
+"""Numeric modes and edge modes of the fused modules: autocast, TF32 rule, empty batch, determinism,
+ResNeXt (grouped) bottlenecks — each against eager PyTorch / a float64 reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import DEVICE, HAS_CUDA
+from fused_preact import FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottleneck
+from fused_preact.models import PreActBlock, PreActBottleneck, preact_resnext50_32x4d
+from fused_preact.modules import bottleneck_width
+from fused_preact.ops._common import input_precision
+from helpers import TOL, assert_close, rel_err
+from test_modules import _compare, _randomize_bn
+
+AUTOCAST_DTYPES = [torch.float16, torch.bfloat16] if HAS_CUDA else [torch.bfloat16]
+
+
+def _twins(kind: str):
+    torch.manual_seed(0)
+    if kind == "unit":
+        fused = FusedBNReLUConv2d(6, 8, 3, stride=2, padding=1, backend="triton")
+        eager = nn.Sequential(copy.deepcopy(fused.bn), nn.ReLU(), copy.deepcopy(fused.conv))
+    else:
+        fused = FusedPreActBlock(6, 8, stride=2, backend="triton")
+        eager = PreActBlock(6, 8, stride=2)
+    _randomize_bn(fused, seed=3)
+    eager.load_state_dict(fused.state_dict() if kind == "block" else
+                          {k.replace("bn.", "0.").replace("conv.", "2."): v for k, v in fused.state_dict().items()})
+    return fused.to(DEVICE), eager
+
+
+@pytest.mark.parametrize("dtype", AUTOCAST_DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["unit", "block"])
+def test_autocast_runs_conv_in_autocast_dtype_and_stats_in_fp32(kind, dtype):
+    """Under torch.autocast the fused output has eager's dtype, gradients come back in fp32, the
+    running statistics are fp32-accurate, and values are within the 16-bit tolerance of float64."""
+    fused, eager = _twins(kind)
+    eager_ac = copy.deepcopy(eager).to(DEVICE)
+    eager64 = eager.double()
+    x = torch.randn(3, 6, 9, 7) * 2 + 0.5
+    xf = x.to(DEVICE, copy=True).requires_grad_()
+    xe = x.to(DEVICE, copy=True).requires_grad_()
+    x64 = x.double().requires_grad_()
+    with torch.autocast(DEVICE, dtype=dtype):
+        y = fused(xf)
+        y_eager = eager_ac(xe)
+    y64 = eager64(x64)
+    assert y.dtype == y_eager.dtype == dtype
+    assert fused.last_backend == "triton"
+    dy = torch.randn(y64.shape, dtype=torch.float64)
+    y.backward(dy.to(DEVICE, dtype))
+    y64.backward(dy)
+    assert xf.grad.dtype == torch.float32
+    assert_close(y, y64, dtype, "forward")
+    assert_close(xf.grad, x64.grad, dtype, "grad x")
+    for (name, p), (_, p64) in zip(fused.named_parameters(), eager64.named_parameters()):
+        assert p.grad.dtype == torch.float32, name
+        assert_close(p.grad, p64.grad, dtype, f"grad {name}")
+    for (name, b), (_, b64) in zip(fused.named_buffers(), eager64.named_buffers()):
+        if b.is_floating_point():  # the first BN reads the fp32 input: its statistics are fp32-accurate
+            first = name.split(".")[0] in ("0", "bn1")
+            assert_close(b, b64, torch.float32 if first else dtype, name)
+
+
+def test_autocast_leaves_float64_alone():
+    m = FusedBNReLUConv2d(3, 4, 3, padding=1).double().to(DEVICE)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y = m(torch.randn(2, 3, 5, 5, dtype=torch.float64, device=DEVICE))
+    assert y.dtype == torch.float64 and m.last_backend == "reference"
+
+
+@pytest.mark.parametrize("allow", [True, False])
+def test_fp32_matmul_precision_follows_cudnn_allow_tf32(allow, monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", allow)
+    expected = "tf32" if allow and HAS_CUDA else "ieee"  # the interpreter computes in IEEE fp32
+    assert input_precision(torch.float32) == expected
+    assert input_precision(torch.float16) == "ieee"
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("kind", ["unit", "block"])
+def test_empty_batch_behaves_as_pytorch(kind, train):
+    """N = 0: empty output of the right shape, zero parameter gradients, running stats untouched,
+    num_batches_tracked counted (what nn.BatchNorm2d does)."""
+    fused, eager = _twins(kind)
+    fused.train(train)
+    eager.train(train)
+    x = torch.randn(0, 6, 9, 7)
+    xf = x.to(DEVICE, copy=True).requires_grad_()
+    xe = x.clone().requires_grad_()
+    y, y_e = fused(xf), eager(xe)
+    assert y.shape == y_e.shape
+    y.sum().backward()
+    y_e.sum().backward()
+    assert xf.grad.shape == x.shape
+    for (name, p), (_, pe) in zip(fused.named_parameters(), eager.named_parameters()):
+        assert torch.equal(p.grad.cpu(), pe.grad), name
+    for (name, b), (_, be) in zip(fused.named_buffers(), eager.named_buffers()):
+        assert torch.equal(b.cpu(), be), name
+
+
+def test_deterministic_algorithms_give_bitwise_repeats():
+    """The fused kernels use no atomics (split-K partials are summed in order), so under
+    torch.use_deterministic_algorithms(True) two identical steps agree bit for bit."""
+    results = []
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(2):
+            fused, _ = _twins("block")
+            x = (torch.randn(4, 6, 11, 10, generator=torch.Generator().manual_seed(5)) + 1).to(DEVICE).requires_grad_()
+            y = fused(x)
+            y.square().sum().backward()
+            results.append([y, x.grad] + [p.grad for p in fused.parameters()] + list(fused.buffers()))
+    finally:
+        torch.use_deterministic_algorithms(old)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("in_planes,planes,stride,groups,base_width", [(16, 4, 1, 4, 32), (12, 8, 2, 2, 8)])
+def test_resnext_bottleneck_matches_eager(in_planes, planes, stride, groups, base_width, train):
+    torch.manual_seed(4)
+    fused = FusedPreActBottleneck(in_planes, planes, stride, backend="triton", groups=groups, base_width=base_width)
+    assert fused.conv2.groups == groups and fused.conv2.out_channels == bottleneck_width(planes, groups, base_width)
+    _randomize_bn(fused, seed=5)
+    eager = PreActBottleneck(in_planes, planes, stride, groups=groups, base_width=base_width)
+    eager.load_state_dict(fused.state_dict())
+    _compare(fused.to(DEVICE), eager.double(), torch.randn(2, in_planes, 7, 8) + 0.5, train)
+
+
+def test_resnext_factory_widths():
+    m = preact_resnext50_32x4d(fused=False)
+    blk = m.layer1[0]
+    assert (blk.conv2.groups, blk.conv2.in_channels, blk.conv3.out_channels) == (32, 128, 256)
+    assert m.layer4[0].conv2.in_channels == 32 * 4 * 8
+    with pytest.raises(ValueError, match="groups"):
+        bottleneck_width(4, groups=0)
+
+
+def test_error_bounds_are_not_vacuous():
+    """The tolerance table is tight enough to see a real defect (a flipped ReLU on a tenth of the
+    activations), so the comparisons above can fail."""
+    fused, eager = _twins("unit")
+    x = torch.randn(3, 6, 9, 7, dtype=torch.float64)
+    ref = eager.double()(x)
+    bad = nn.Sequential(eager[0], nn.LeakyReLU(0.1), eager[2])(x)
+    assert rel_err(bad, ref) > TOL[torch.bfloat16]
