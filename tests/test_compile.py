@@ -36,3 +36,24 @@ def test_compiled_eval_mode():
     m = FusedBNReLUConv2d(3, 5, 3, padding=1, backend="triton").to(DEVICE).eval()
     x = torch.randn(2, 3, 6, 6, device=DEVICE)
     assert_close(torch.compile(m, fullgraph=True, backend="aot_eager")(x), m(x), torch.float32, "eval forward")
+
+
+def test_compiled_block_under_autocast():
+    """The autocast rule of the custom op is traced too: compiled output equals eager's, in the
+    autocast dtype, with fp32 gradients."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    dtype = torch.float16 if DEVICE == "cuda" else torch.bfloat16
+    block = FusedPreActBlock(4, 8, stride=2, backend="triton").to(DEVICE)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 4, 9, 9, device=DEVICE)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast(DEVICE, dtype=dtype):
+        ya = compiled(xa)
+        yb = block(xb)
+    assert ya.dtype == yb.dtype == dtype
+    ya.float().square().sum().backward()
+    yb.float().square().sum().backward()
+    assert_close(ya, yb, dtype, "forward")
+    assert xa.grad.dtype == torch.float32
+    assert_close(xa.grad, xb.grad, dtype, "grad x")
