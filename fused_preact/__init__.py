@@ -4,6 +4,7 @@ Public API (loaded lazily, so ``python -m fused_preact`` can choose Triton's int
 triton is imported):
     FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottleneck   drop-in modules (fused_preact.modules)
     models                                                      PreActResNet factories (fused or eager)
+    variants, diagnostics                                       the paper's unit/shortcut variants; gradient flow
     ops                                                         the fused ops and their references
     backends(), select_backend()                                backend availability and choice
 
@@ -21,7 +22,7 @@ _LAZY = {
     "backends": "fused_preact.dispatch",
     "select_backend": "fused_preact.dispatch",
 }
-_SUBMODULES = ("models", "ops", "modules", "data", "train")
+_SUBMODULES = ("models", "ops", "modules", "data", "train", "variants", "diagnostics")
 
 __all__ = sorted(list(_LAZY) + ["models", "ops"])
 
