@@ -6,6 +6,8 @@ triton is imported):
     models                                                      PreActResNet factories (fused or eager)
     variants, diagnostics                                       the paper's unit/shortcut variants; gradient flow
     ops                                                         the fused ops and their references
+    convert(), ConversionReport                                 swap fused modules into existing models (timm, ...)
+    convert_sync_batchnorm()                                    SyncBatchNorm that keeps fused modules fused
     backends(), select_backend()                                backend availability and choice
 
 Source: He et al., "Identity Mappings in Deep Residual Networks", ECCV 2016.
@@ -19,10 +21,13 @@ _LAZY = {
     "FusedBNReLUConv2d": "fused_preact.modules",
     "FusedPreActBlock": "fused_preact.modules",
     "FusedPreActBottleneck": "fused_preact.modules",
+    "convert": "fused_preact.conversion",
+    "ConversionReport": "fused_preact.conversion",
+    "convert_sync_batchnorm": "fused_preact.modules",
     "backends": "fused_preact.dispatch",
     "select_backend": "fused_preact.dispatch",
 }
-_SUBMODULES = ("models", "ops", "modules", "data", "train", "variants", "diagnostics")
+_SUBMODULES = ("models", "ops", "modules", "data", "train", "variants", "diagnostics", "conversion")
 
 __all__ = sorted(list(_LAZY) + ["models", "ops"])
 

@@ -49,6 +49,10 @@ def triton_mode() -> str:
     return _TRITON_MODE
 
 
+#: ``(weight, stride, padding, dilation, groups)`` of one convolution, as ``F.conv2d`` takes them.
+ConvArgs = tuple
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """A backend's declared capabilities (xformers-style).
@@ -67,8 +71,13 @@ class Backend:
     channels_multiple: int = 1
     layouts: tuple[str, ...] = ("channels_last", "contiguous")
 
-    def not_supported_reasons(self, x: torch.Tensor) -> list[str]:
-        """Why this backend cannot serve input ``x`` (N, C, H, W); an empty list means it can."""
+    def not_supported_reasons(self, x: torch.Tensor, convs: Optional[Sequence[ConvArgs]] = None) -> list[str]:
+        """Why this backend cannot serve input ``x`` (N, C, H, W); an empty list means it can.
+
+        ``convs``: the ``(weight, stride, padding, dilation, groups)`` of each convolution that will
+        read ``relu(bn(x))``, for backends whose limits depend on the convolution (``cuda``);
+        without it only the input is checked.
+        """
         reasons: list[str] = []
         if x.dtype not in self.dtypes:
             reasons.append(f"{self.name}: dtype {x.dtype} not in {list(self.dtypes)}")
@@ -87,6 +96,13 @@ class Backend:
                 reasons.append("triton: CUDA tensor but the kernels were built for Triton's interpreter")
             elif x.device.type not in ("cpu", "cuda"):
                 reasons.append(f"triton: device type {x.device.type!r} not supported")
+        if self.name == "cuda":
+            from fused_preact.ops import _cuda
+
+            if not _cuda.available():
+                reasons.append(f"cuda: the fused_preact._C extension is not available ({_cuda.load_error()})")
+            for conv in convs or ():
+                reasons.extend(r for r in _cuda.not_supported_reasons(x, *conv) if r not in reasons)
         if (
             self.min_compute_capability is not None
             and x.device.type == "cuda"
@@ -101,11 +117,13 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _ALL_FLOATS = _FLOATS + (torch.float64,)
 
 BACKENDS: dict[str, Backend] = {
+    "cuda": Backend("cuda", (torch.float16, torch.bfloat16), (8, 0), channels_multiple=8, layouts=("channels_last",)),
     "triton": Backend("triton", _FLOATS, (8, 0)),
     "reference": Backend("reference", _ALL_FLOATS, None),
 }
 
-#: Order in which ``backend="auto"`` tries backends.
+#: Order in which ``backend="auto"`` tries backends. ``cuda`` (the CUTLASS extension in ``csrc/``)
+#: is opt-in (``backend="cuda"``) until its kernels have passed the test suite on a GPU.
 PRIORITY: tuple[str, ...] = ("triton", "reference")
 
 
@@ -127,12 +145,14 @@ class BackendChoice:
         return "; ".join(self.skipped) if self.skipped else None
 
 
-def select_backend(requested: str, x: torch.Tensor) -> BackendChoice:
+def select_backend(requested: str, x: torch.Tensor, convs: Optional[Sequence[ConvArgs]] = None) -> BackendChoice:
     """Pick the backend for input ``x`` (N, C, H, W).
 
     Args:
         requested: ``"auto"`` or a name in :data:`BACKENDS`.
         x: the activation tensor the op will read.
+        convs: ``(weight, stride, padding, dilation, groups)`` of the convolutions reading
+            ``relu(bn(x))`` (see :meth:`Backend.not_supported_reasons`).
 
     Raises:
         ValueError: ``requested`` is not a known backend name.
@@ -141,14 +161,14 @@ def select_backend(requested: str, x: torch.Tensor) -> BackendChoice:
     if requested == "auto":
         skipped: list[str] = []
         for name in PRIORITY:
-            reasons = BACKENDS[name].not_supported_reasons(x)
+            reasons = BACKENDS[name].not_supported_reasons(x, convs)
             if not reasons:
                 return BackendChoice(name, tuple(skipped))
             skipped.extend(reasons)
         raise RuntimeError("fused_preact: no backend can serve this input: " + "; ".join(skipped))
     if requested not in BACKENDS:
         raise ValueError(f"fused_preact: unknown backend {requested!r}; expected 'auto' or one of {list(BACKENDS)}")
-    reasons = BACKENDS[requested].not_supported_reasons(x)
+    reasons = BACKENDS[requested].not_supported_reasons(x, convs)
     if reasons:
         raise RuntimeError(f"fused_preact: backend={requested!r} cannot serve this input: " + "; ".join(reasons))
     return BackendChoice(requested)
@@ -169,7 +189,7 @@ def backends(devices: Optional[Sequence[str]] = None) -> dict[str, dict[str, obj
     report: dict[str, dict[str, object]] = {}
     for name, backend in BACKENDS.items():
         entry: dict[str, object] = {
-            "priority": PRIORITY.index(name),
+            "priority": PRIORITY.index(name) if name in PRIORITY else None,
             "dtypes": [str(d) for d in backend.dtypes],
             "min_compute_capability": backend.min_compute_capability,
             "triton_mode": triton_mode() if name == "triton" else None,

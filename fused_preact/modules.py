@@ -102,7 +102,8 @@ def fused_bn_relu_convs(owner: nn.Module, x: torch.Tensor, bn: nn.BatchNorm2d, c
     conv_reasons = [r for c in convs for r in _conv_reasons(c)]
     if conv_reasons and requested not in ("auto", "reference"):
         raise RuntimeError(f"fused_preact: backend={requested!r} cannot serve this module: " + "; ".join(conv_reasons))
-    choice = select_backend("reference" if conv_reasons else requested, x)
+    conv_args = [(c.weight, c.stride, c.padding, c.dilation, c.groups) for c in convs]
+    choice = select_backend("reference" if conv_reasons else requested, x, conv_args)
     reason = "; ".join(conv_reasons) if conv_reasons else choice.reason
     _record(owner, choice.name, reason, x)
     bn_training, eaf, running_mean, running_var = _bn_forward_args(bn)
@@ -214,7 +215,7 @@ class FusedBNReLUConv2d(_FusedBase):
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias: as ``nn.Conv2d``.
         eps, momentum, affine, track_running_stats: as ``nn.BatchNorm2d``.
-        backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see ``fused_preact.dispatch``).
+        backend: ``"auto"``, ``"triton"``, ``"cuda"`` or ``"reference"`` (see ``fused_preact.dispatch``).
         device, dtype: factory kwargs for both children.
 
     Shapes: input (N, in_channels, H, W), NCHW or channels_last; output (N, out_channels, P, Q) in

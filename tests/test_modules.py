@@ -213,7 +213,9 @@ def test_backends_report():
     from fused_preact import backends
 
     report = backends(["cpu"])
-    assert set(report) == {"triton", "reference"}
+    assert set(report) == {"cuda", "triton", "reference"}
+    assert report["cuda"]["priority"] is None  # opt-in until verified on a GPU
+    assert "extension is not available" in report["cuda"]["cpu/float16"] or DEVICE == "cuda"
     assert report["reference"]["cpu/float64"] == "ok"
     assert "not in" in report["triton"]["cpu/float64"]
     expected = "ok" if DEVICE == "cpu" else "interpreter is off"

@@ -197,8 +197,10 @@ def bn_relu_conv2d_reference(
 
 # ---------------------------------------------------------------------------- custom ops, autograd
 def _check_backend(backend: str) -> None:
-    if backend != "triton":
-        raise ValueError(f"fused_preact::bn_relu_conv2d: backend {backend!r} is not implemented by this op; expected 'triton'")
+    if backend not in ("triton", "cuda"):
+        raise ValueError(
+            f"fused_preact::bn_relu_conv2d: backend {backend!r} is not implemented by this op; expected 'triton' or 'cuda'"
+        )
 
 
 @torch.library.custom_op("fused_preact::bn_relu_conv2d", mutates_args=(), device_types=("cpu", "cuda"))
@@ -208,6 +210,10 @@ def _bn_relu_conv2d_op(
     dilation: list[int], groups: int, batch_stats: bool, backend: str,
 ) -> torch.Tensor:
     _check_backend(backend)
+    if backend == "cuda":
+        from fused_preact.ops import _cuda
+
+        return _cuda.fprop(x, weight, bias, mean, invstd, gamma, beta, stride, padding, dilation, groups)
     return _fprop_triton(x, weight, bias, mean, invstd, gamma, beta, stride, padding, dilation, groups)
 
 
@@ -227,6 +233,12 @@ def _bn_relu_conv2d_backward_op(
     dilation: list[int], groups: int, batch_stats: bool, has_bias: bool, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_backend(backend)
+    if backend == "cuda":
+        from fused_preact.ops import _cuda
+
+        return _cuda.backward(
+            grad_out, x, weight, mean, invstd, gamma, beta, stride, padding, dilation, groups, batch_stats, has_bias
+        )
     return _backward_triton(
         grad_out, x, weight, mean, invstd, gamma, beta, stride, padding, dilation, groups, batch_stats, has_bias
     )
@@ -470,7 +482,7 @@ def bn_relu_conv2d_with_stats(
         weight: (K, C/groups, R, S), same dtype as ``x``. bias: (K,) or None.
         bn_weight, bn_bias: BN's γ and β, (C,), or None (``affine=False``).
         stride, padding, dilation, groups: as ``F.conv2d`` (padding is an int or pair of ints).
-        backend: the op backend; only ``"triton"`` in this version.
+        backend: the op backend: ``"triton"`` or ``"cuda"`` (the CUTLASS extension, when built).
 
     Returns:
         (N, K, P, Q) tensor of ``x``'s dtype, channels_last if ``x`` is, otherwise contiguous.
@@ -510,7 +522,7 @@ def bn_relu_conv2d(
             (running buffers are updated in place in training).
         stride, padding, dilation, groups: as ``F.conv2d``.
         backend: ``"auto"`` (first backend in ``fused_preact.dispatch.PRIORITY`` that can serve x),
-            ``"triton"`` or ``"reference"`` (plain PyTorch).
+            ``"triton"``, ``"cuda"`` (CUTLASS extension, opt-in) or ``"reference"`` (plain PyTorch).
 
     Returns:
         (N, K, P, Q) tensor of x's dtype.
@@ -522,7 +534,7 @@ def bn_relu_conv2d(
     from fused_preact.dispatch import select_backend
 
     check_inputs(x, weight, bias, stride, padding, dilation, groups)
-    choice = select_backend(backend, x)
+    choice = select_backend(backend, x, [(weight, stride, padding, dilation, groups)])
     if choice.name == "reference":
         return bn_relu_conv2d_reference(
             x, weight, bias, running_mean, running_var, bn_weight, bn_bias, training, momentum, eps,

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Compile-only check of the CUDA C++ backend (csrc/) on a machine without a GPU.
+#
+# Every csrc/*.cu is compiled with nvcc for the architectures in FUSED_PREACT_CUDA_ARCHS (default
+# sm_80 and sm_90) against torch's headers and the CUTLASS headers of the nvidia-cutlass package, and
+# csrc/*.cpp with the host compiler, each to an object file under a temporary directory (nothing is
+# linked: a CPU-only torch ships the headers but not the CUDA libraries). Any compiler error fails
+# the script. Flags mirror the real build: torch's COMMON_NVCC_FLAGS, then csrc/build_config.py's.
+#
+# Needs: nvcc on PATH (or CUDA_HOME), python with torch. Installs nvidia-cutlass (headers only,
+# --no-deps) if it is missing. Jobs run in parallel: COMPILE_JOBS, default build_config.max_jobs().
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python}
+CUTLASS_REQUIREMENT="nvidia-cutlass>=4.2,<5"
+start=$(date +%s)
+
+if ! "$PYTHON" -c "import cutlass_library" 2>/dev/null; then
+  echo "compile_csrc: installing $CUTLASS_REQUIREMENT (headers only)"
+  "$PYTHON" -m pip install --quiet --no-deps "$CUTLASS_REQUIREMENT"
+fi
+
+NVCC=${NVCC:-$(command -v nvcc || true)}
+if [[ -z "$NVCC" && -n "${CUDA_HOME:-}" ]]; then NVCC="$CUDA_HOME/bin/nvcc"; fi
+if [[ -z "$NVCC" || ! -x "$NVCC" ]]; then
+  echo "compile_csrc: nvcc not found (put it on PATH or set CUDA_HOME)" >&2
+  exit 1
+fi
+# nvcc's own include directory (cuda_runtime.h), for the host-compiled .cpp; nvcc may be a wrapper
+# script, so ask it rather than resolving its path.
+if [[ -n "${CUDA_HOME:-}" && -f "$CUDA_HOME/include/cuda_runtime.h" ]]; then
+  CUDA_INCLUDE="$CUDA_HOME/include"
+else
+  CUDA_INCLUDE=$("$NVCC" --dryrun -x cu -c /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ INCLUDES="-I\([^"]*\)".*/\1/p' | head -n 1)
+fi
+if [[ ! -f "$CUDA_INCLUDE/cuda_runtime.h" ]]; then
+  echo "compile_csrc: cannot find cuda_runtime.h next to $NVCC (set CUDA_HOME)" >&2
+  exit 1
+fi
+CXX=${CXX:-c++}
+
+read -r -a TORCH_INCLUDES <<<"$("$PYTHON" -c 'import torch.utils.cpp_extension as c; print(" ".join("-I" + p for p in c.include_paths()))')"
+read -r -a TORCH_NVCC_FLAGS <<<"$("$PYTHON" -c 'import torch.utils.cpp_extension as c; print(" ".join(c.COMMON_NVCC_FLAGS))')"
+read -r -a OUR_INCLUDES <<<"$("$PYTHON" csrc/build_config.py include-dirs | sed 's/\([^ ]*\)/-I\1/g')"
+read -r -a NVCC_FLAGS <<<"$("$PYTHON" csrc/build_config.py nvcc-flags)"
+JOBS=${COMPILE_JOBS:-$("$PYTHON" csrc/build_config.py max-jobs)}
+
+# A CPU-only torch lacks the CMake-generated c10/cuda/impl/cuda_cmake_macros.h (it only defines the
+# Windows DLL export switch); skip it. CUDAContext.h (cuBLAS headers) is not used by csrc/.
+COMMON=(-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H
+        "${OUR_INCLUDES[@]}" "${TORCH_INCLUDES[@]}" -I"$CUDA_INCLUDE")
+
+OUT=$(mktemp -d /tmp/compile_csrc.XXXXXX)
+trap 'rm -rf "$OUT"' EXIT
+
+echo "compile_csrc: $("$NVCC" --version | tail -n 1); torch $("$PYTHON" -c 'import torch; print(torch.__version__)');" \
+     "cutlass $("$PYTHON" -c 'import importlib.metadata as m; print(m.version("nvidia-cutlass"))'); $JOBS jobs"
+echo "compile_csrc: nvcc flags: ${NVCC_FLAGS[*]}"
+
+compile_one() {
+  local src=$1 name t0 log status
+  name=$(basename "$src")
+  log="$OUT/$name.log"
+  t0=$(date +%s)
+  if [[ "$src" == *.cu ]]; then
+    "$NVCC" "${TORCH_NVCC_FLAGS[@]}" "${NVCC_FLAGS[@]}" "${COMMON[@]}" -Xcompiler -fPIC -c "$src" -o "$OUT/$name.o" >"$log" 2>&1
+  else
+    "$CXX" -std=c++20 -O1 -fPIC "${COMMON[@]}" -c "$src" -o "$OUT/$name.o" >"$log" 2>&1
+  fi
+  status=$?
+  if [[ $status -ne 0 ]]; then
+    cat "$log"
+    echo "compile_csrc: FAILED $name ($(( $(date +%s) - t0 )) s)"
+    return 1
+  fi
+  if grep -q "warning" "$log"; then cat "$log"; fi
+  echo "compile_csrc: ok $name ($(( $(date +%s) - t0 )) s)"
+}
+export -f compile_one
+export OUT NVCC CXX
+export TORCH_NVCC_FLAGS_STR="${TORCH_NVCC_FLAGS[*]}" NVCC_FLAGS_STR="${NVCC_FLAGS[*]}" COMMON_STR="${COMMON[*]}"
+
+# Largest translation units first so the parallel jobs finish together.
+mapfile -t SOURCES < <("$PYTHON" -c '
+import os, sys
+sys.path.insert(0, "csrc")
+import build_config
+heavy = ["conv_dgrad.cu", "ops.cu", "conv_fprop.cu", "conv_wgrad.cu"]
+rank = lambda p: heavy.index(os.path.basename(p)) if os.path.basename(p) in heavy else len(heavy)
+print("\n".join(sorted(build_config.sources(), key=lambda p: (rank(p), p))))')
+if [[ ${#SOURCES[@]} -eq 0 ]]; then
+  echo "compile_csrc: no sources found in csrc/" >&2
+  exit 1
+fi
+printf '%s\n' "${SOURCES[@]}" | xargs -P "$JOBS" -I{} bash -c '
+  read -r -a TORCH_NVCC_FLAGS <<<"$TORCH_NVCC_FLAGS_STR"
+  read -r -a NVCC_FLAGS <<<"$NVCC_FLAGS_STR"
+  read -r -a COMMON <<<"$COMMON_STR"
+  compile_one "$1"' _ {} || { echo "compile_csrc: FAILED after $(( $(date +%s) - start )) s"; exit 1; }
+
+echo "compile_csrc: all ${#SOURCES[@]} sources compiled in $(( $(date +%s) - start )) s"

@@ -1,0 +1,275 @@
+"""The CUDA C++ backend (``csrc/`` → ``fused_preact._C``) and its Python glue (``fused_preact.ops._cuda``).
+
+CPU tests cover the glue where the extension is not built: lazy loading, refusal reasons, build
+settings. ``gpu`` tests compare the CUTLASS kernels with a float64 PyTorch reference; they run where
+a CUDA device and the built extension are present (``pip install --no-build-isolation -e .`` or
+``fused_preact.ops._cuda.jit_load()``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import assert_close, randn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cuda_glue():
+    return importlib.import_module("fused_preact.ops._cuda")
+
+
+def _build_config():
+    spec = importlib.util.spec_from_file_location("fused_preact_build_config", os.path.join(ROOT, "csrc", "build_config.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------------------------ glue, CPU
+def test_import_is_lazy_and_queries_no_gpu():
+    """Importing the package and the glue loads no extension and touches no CUDA API."""
+    code = (
+        "import torch, sys\n"
+        "def boom(*a, **k): raise AssertionError('GPU queried at import')\n"
+        "torch.cuda.is_available = boom; torch.cuda.get_device_capability = boom; torch.cuda.device_count = boom\n"
+        "import fused_preact, fused_preact.ops._cuda as cu\n"
+        "assert cu._loaded is None, cu._loaded\n"
+        "assert 'fused_preact._C' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"})
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the CPU-only build")
+def test_unavailable_without_error():
+    cu = _cuda_glue()
+    assert cu.available() is False
+    assert cu.available() is False  # cached, still no exception
+    err = cu.load_error()
+    assert isinstance(err, str) and err
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the CPU-only build")
+def test_entry_points_raise_clearly_when_unavailable():
+    cu = _cuda_glue()
+    x = torch.randn(2, 8, 4, 4, dtype=torch.float16)
+    w = torch.randn(8, 8, 3, 3, dtype=torch.float16)
+    v = torch.ones(8)
+    with pytest.raises(RuntimeError, match="CUDA backend is not available"):
+        cu.fprop(x, w, None, v, v, None, None, [1, 1], [1, 1], [1, 1], 1)
+    with pytest.raises(RuntimeError, match="CUDA backend is not available"):
+        cu.batch_stats(x)
+    with pytest.raises(RuntimeError, match="CUDA backend is not available"):
+        cu.build_info()
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the CPU-only build")
+def test_reasons_name_the_missing_extension_device_and_dtype():
+    cu = _cuda_glue()
+    x = torch.randn(2, 8, 4, 4)
+    w = torch.randn(8, 8, 3, 3)
+    reasons = cu.not_supported_reasons(x, w, 1, 1, 1, 1)
+    text = "; ".join(reasons)
+    assert all(r.startswith("cuda: ") for r in reasons)
+    assert "fused_preact._C extension is not available" in text
+    assert "needs a CUDA tensor" in text
+    assert "torch.float32 not supported" in text
+
+
+@pytest.mark.parametrize(
+    "shape, wshape, stride, dilation, groups, expected",
+    [
+        ((2, 12, 8, 8), (16, 12, 3, 3), 1, 1, 1, "input channels 12 not a multiple of 8"),
+        ((2, 16, 8, 8), (20, 16, 3, 3), 1, 1, 1, "output channels 20 not a multiple of 8"),
+        ((2, 16, 8, 8), (16, 8, 3, 3), 1, 1, 2, "groups=2 not supported"),
+        ((2, 16, 16, 16), (16, 16, 3, 3), 2, 2, 1, "stride [2, 2] with dilation [2, 2] not supported"),
+        ((1, 16, 40, 40), (16, 16, 33, 33), 1, 1, 1, "larger than 32x32"),
+    ],
+)
+def test_reasons_for_unsupported_geometry(monkeypatch, shape, wshape, stride, dilation, groups, expected):
+    cu = _cuda_glue()
+    monkeypatch.setattr(cu, "available", lambda: True)
+    x = torch.empty(shape, dtype=torch.float16)
+    w = torch.empty(wshape, dtype=torch.float16)
+    reasons = cu.not_supported_reasons(x, w, stride, 0, dilation, groups)
+    assert any(expected in r for r in reasons), reasons
+
+
+def test_reasons_accept_a_supported_cpu_geometry_except_for_the_device(monkeypatch):
+    cu = _cuda_glue()
+    monkeypatch.setattr(cu, "available", lambda: True)
+    x = torch.empty(2, 16, 8, 8, dtype=torch.bfloat16)
+    w = torch.empty(32, 16, 3, 3, dtype=torch.bfloat16)
+    assert cu.not_supported_reasons(x, w, 1, 1, 1, 1) == ["cuda: x is on cpu; the CUDA backend needs a CUDA tensor"]
+
+
+def test_reasons_for_tensors_beyond_32_bit_offsets(monkeypatch):
+    cu = _cuda_glue()
+    monkeypatch.setattr(cu, "available", lambda: True)
+    x = torch.empty(4096, 256, 32, 32, dtype=torch.float16, device="meta")  # its fp32 da: 4 GiB
+    w = torch.empty(8, 256, 1, 1, dtype=torch.float16, device="meta")
+    assert any("2^31 bytes" in r for r in cu.not_supported_reasons(x, w, 1, 0, 1, 1))
+
+
+# ------------------------------------------------------------------------------ build settings
+def test_build_config_archs_and_gencode(monkeypatch):
+    cfg = _build_config()
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.delenv("FUSED_PREACT_CUDA_ARCHS", raising=False)
+    assert cfg.cuda_archs() == ["80", "90"]
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.5;8.6+PTX")
+    assert cfg.cuda_archs() == ["86+PTX"]
+    assert cfg.gencode_flags() == ["-gencode=arch=compute_86,code=sm_86", "-gencode=arch=compute_86,code=compute_86"]
+    monkeypatch.setenv("FUSED_PREACT_CUDA_ARCHS", "9.0")
+    assert cfg.cuda_archs() == ["90"]
+    monkeypatch.setenv("FUSED_PREACT_CUDA_ARCHS", "7.0")
+    with pytest.raises(ValueError, match="no CUDA architecture >= 8.0"):
+        cfg.cuda_archs()
+
+
+def test_build_config_jobs_and_sources(monkeypatch):
+    cfg = _build_config()
+    monkeypatch.delenv("MAX_JOBS", raising=False)
+    assert cfg.max_jobs() >= 1
+    monkeypatch.setenv("MAX_JOBS", "3")
+    assert cfg.max_jobs() == 3
+    names = {os.path.basename(s) for s in cfg.sources()}
+    assert {"fused_preact.cpp", "ops.cu", "conv_fprop.cu", "conv_dgrad.cu", "conv_wgrad.cu", "bn_kernels.cu"} <= names
+
+
+def test_build_config_missing_cutlass_says_how_to_install(monkeypatch, tmp_path):
+    cfg = _build_config()
+    monkeypatch.setenv("FUSED_PREACT_CUTLASS_INCLUDE", str(tmp_path))
+    monkeypatch.setitem(sys.modules, "cutlass_library", None)  # makes `import cutlass_library` fail
+    with pytest.raises(RuntimeError, match="pip install"):
+        cfg.cutlass_include_dir()
+
+
+# ------------------------------------------------------------------------------------ GPU tests
+def _require_gpu_backend():
+    cu = _cuda_glue()
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if not cu.available():
+        pytest.skip(f"fused_preact._C not built: {cu.load_error()}")
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("needs compute capability >= 8.0")
+    return cu
+
+
+# (N, C, H, W, K, R, S, stride, padding, dilation)
+SHAPES = [
+    (4, 16, 12, 12, 32, 3, 3, 1, 1, 1),
+    (2, 32, 9, 11, 16, 1, 1, 2, 0, 1),     # projection shortcut; stride > kernel leaves untouched inputs
+    (3, 24, 10, 10, 40, 3, 3, 2, 1, 1),
+    (2, 16, 13, 13, 16, 3, 3, 1, 2, 2),    # dilation, unit stride
+    (1, 64, 7, 7, 64, 3, 3, 1, 1, 1),
+]
+
+
+def _problem(shape, dtype, channels_last, seed=0):
+    N, C, H, W, K, R, S, st, pd, dl = shape
+    g = torch.Generator().manual_seed(seed)
+    x = randn(N, C, H, W, dtype=dtype, device="cuda", mean=0.5, std=2.0, channels_last=channels_last, generator=g)
+    w = randn(K, C, R, S, dtype=dtype, device="cuda", std=(C * R * S) ** -0.5, generator=g)
+    b = randn(K, dtype=dtype, device="cuda", generator=g)
+    gamma = randn(C, device="cuda", mean=1.0, std=0.3, generator=g)
+    beta = randn(C, device="cuda", std=0.3, generator=g)
+    rm = randn(C, device="cuda", mean=0.5, std=0.2, generator=g)
+    rv = randn(C, device="cuda", mean=4.0, std=0.1, generator=g).abs()
+    return x, w, b, gamma, beta, rm, rv, ([st, st], [pd, pd], [dl, dl])
+
+
+def _reference(x, w, b, gamma, beta, rm, rv, training, conv, eps=1e-5):
+    """float64 F.batch_norm → relu → conv2d and its gradients for a fixed upstream gradient."""
+    st, pd, dl = conv
+    xd = x.detach().double().requires_grad_(True)
+    wd = w.detach().double().requires_grad_(True)
+    bd = b.detach().double().requires_grad_(True)
+    gd = gamma.detach().double().requires_grad_(True)
+    betad = beta.detach().double().requires_grad_(True)
+    a = F.relu(F.batch_norm(xd, rm.double().clone(), rv.double().clone(), gd, betad, training, 0.1, eps))
+    y = F.conv2d(a, wd, bd, st, pd, dl)
+    return y, (xd, wd, bd, gd, betad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_fprop_backward_match_float64(dtype, shape, training, channels_last):
+    cu = _require_gpu_backend()
+    x, w, b, gamma, beta, rm, rv, conv = _problem(shape, dtype, channels_last)
+    st, pd, dl = conv
+    assert cu.not_supported_reasons(x, w, st, pd, dl, 1) == []
+    eps = 1e-5
+    if training:
+        mean, var = cu.batch_stats(x)
+    else:
+        mean, var = rm.float(), rv.float()
+    invstd = torch.rsqrt(var + eps)
+    y = cu.fprop(x, w, b, mean, invstd, gamma, beta, st, pd, dl, 1)
+    y_ref, leaves = _reference(x, w, b, gamma, beta, rm, rv, training, conv, eps)
+    assert y.dtype == x.dtype and y.shape == y_ref.shape
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    assert y.is_contiguous(memory_format=fmt)
+    assert_close(y, y_ref, dtype, "y")
+
+    dy = randn(*y.shape, dtype=dtype, device="cuda", generator=torch.Generator().manual_seed(1))
+    y_ref.backward(dy.double())
+    dx, dw, db, dgamma, dbeta = cu.backward(dy, x, w, mean, invstd, gamma, beta, st, pd, dl, 1, training, True)
+    xd, wd, bd, gd, betad = leaves
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype and dgamma.dtype == torch.float32
+    assert dx.is_contiguous(memory_format=fmt)
+    assert_close(dx, xd.grad, dtype, "dx")
+    assert_close(dw, wd.grad, dtype, "dw")
+    assert_close(db, bd.grad, dtype, "db")
+    assert_close(dgamma, gd.grad, dtype, "dgamma")
+    assert_close(dbeta, betad.grad, dtype, "dbeta")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_batch_stats_match_float64_and_are_deterministic(dtype):
+    cu = _require_gpu_backend()
+    x = randn(16, 40, 33, 17, dtype=dtype, device="cuda", mean=100.0, std=0.5, channels_last=True)
+    mean, var = cu.batch_stats(x)
+    xd = x.double()
+    assert_close(mean, xd.mean((0, 2, 3)), dtype, "mean")
+    assert_close(var, xd.var((0, 2, 3), unbiased=False), torch.float32, "var")
+    mean2, var2 = cu.batch_stats(x)
+    assert torch.equal(mean, mean2) and torch.equal(var, var2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_backward_is_deterministic(dtype):
+    cu = _require_gpu_backend()
+    x, w, b, gamma, beta, rm, rv, (st, pd, dl) = _problem((8, 32, 16, 16, 64, 3, 3, 1, 1, 1), dtype, True)
+    mean, var = cu.batch_stats(x)
+    invstd = torch.rsqrt(var + 1e-5)
+    dy = randn(8, 64, 16, 16, dtype=dtype, device="cuda", channels_last=True)
+    first = cu.backward(dy, x, w, mean, invstd, gamma, beta, st, pd, dl, 1, True, True)
+    second = cu.backward(dy, x, w, mean, invstd, gamma, beta, st, pd, dl, 1, True, True)
+    for a, b_ in zip(first, second):
+        assert torch.equal(a, b_)
+
+
+@pytest.mark.gpu
+def test_reports_build_info_and_device_support():
+    cu = _require_gpu_backend()
+    info = cu.build_info()
+    assert info["archs"] and all(a >= 80 for a in info["archs"])
+    assert info["dtypes"] == ["float16", "bfloat16"]
+    x = torch.empty(2, 16, 8, 8, dtype=torch.float16, device="cuda")
+    w = torch.empty(16, 16, 3, 3, dtype=torch.float16, device="cuda")
+    assert cu.not_supported_reasons(x, w, 1, 1, 1, 1) == []
