@@ -1,4 +1,8 @@
-"""Benchmarks need a CUDA device; without one every benchmark is skipped (CPU timings of GPU kernels mean nothing)."""
+"""Benchmarks need a CUDA device; without one every benchmark is skipped (CPU timings of GPU kernels mean nothing).
+
+Run: ``pytest benchmarks --benchmark-only`` (``FUSED_PREACT_BENCH=quick`` for the short subset; see
+``bench_support.py``). The peaks of the roofline floor are measured once per session.
+"""
 
 import pytest
 import torch
@@ -10,3 +14,12 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="benchmarks need a CUDA device")
     for item in items:
         item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def peaks():
+    """Measured bf16 matmul TFLOP/s, copy GB/s and L2 size of this GPU (``fused_preact.bench_timing.Peaks``)."""
+    from fused_preact import bench_timing as BT
+
+    torch.backends.cudnn.benchmark = True
+    return BT.measure_peaks()

@@ -1,22 +1,75 @@
 #!/usr/bin/env bash
-# One device-tool call for a session lent a GPU: environment, the test suite on CUDA (no
-# interpreter), compute-sanitizer on one small fused unit, the main job, and the unit benchmarks.
-# Everything is written under $OUT (the device tool brings it back). Run from the repository root:
-#   bash benchmarks/gpu_session.sh
+# What a session lent a GPU runs, one stage per device-tool call (each fits the 10-minute limit;
+# every step has its own timeout, and the logs and results land under $OUT, at most 8 files):
+#
+#   bash benchmarks/gpu_session.sh check   environment, test suite on CUDA (no interpreter),
+#                                          compute-sanitizer on one small fused unit, the main job,
+#                                          pytest-benchmark quick set (~9.5 min)
+#   bash benchmarks/gpu_session.sh bench   python -m fused_preact.bench (full, --time-limit 500 s):
+#                                          <device>-<date>.json/.md/.png (~9.5 min). It runs eager,
+#                                          fused and CUDA graphs everywhere first, then torch.compile
+#                                          for PreActResNet-50, and records what the budget left out
+#                                          as skipped; a second call can take those, e.g.
+#     BENCH_ARGS="--models preact_resnet164 --providers eager triton compile" bash benchmarks/gpu_session.sh bench
+#     BENCH_ARGS="--level unit block --models preact_resnet50 --providers eager triton compile-max-autotune" ...
+#   bash benchmarks/gpu_session.sh quick   python -m fused_preact.bench --quick (~2.5 min)
+#   bash benchmarks/gpu_session.sh pytest  pytest benchmarks --benchmark-only
+#                                          (FUSED_PREACT_BENCH=quick unless set; ~9.5 min at most)
+#
+# Run from the repository root. The device machine has no .git: pass the commit in, e.g.
+#   FUSED_PREACT_COMMIT=<sha> bash benchmarks/gpu_session.sh bench
+# Results come back in $OUT; copy <device>-<date>.* into benchmarks/results/ (the script also
+# writes them there on the device, where they vanish with the machine).
 set -uo pipefail
+STAGE=${1:-check}
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+unset TRITON_INTERPRET
+SECONDS=0
+status=0
+
+# run NAME LIMIT_S CMD...: run CMD with SIGINT after LIMIT_S seconds (Python saves what it has and
+# pytest-benchmark writes its JSON on interrupt), SIGKILL 30 s later; record a failure.
+run() {
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s, t=${SECONDS}s)"
+  timeout -s INT -k 30 "$limit" "$@"
+  local rc=$?
+  [ $rc -eq 0 ] || { echo "=== $name: exit $rc"; status=1; }
+  return 0
+}
+
 {
   date -u +%FT%TZ
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-  git rev-parse HEAD 2>/dev/null || echo "commit: unknown (no .git)"
+  echo "stage: $STAGE"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
+  python -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'triton', triton.__version__)"
+  python -c "import matplotlib, pytest_benchmark; print('matplotlib', matplotlib.__version__, 'pytest-benchmark', pytest_benchmark.__version__)"
+  echo "commit: ${FUSED_PREACT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-status=0
-python -m pytest tests -q -p no:cacheprovider -n 8 2>&1 | tee "$OUT/tests.log" | tail -15 || status=1
-compute-sanitizer --tool memcheck --print-limit 20 python - <<'PY' > "$OUT/sanitizer.log" 2>&1 || status=1
+
+pytest_bench() {  # $1: time limit in seconds
+  FUSED_PREACT_BENCH=${FUSED_PREACT_BENCH:-quick} run pytest-benchmark "$1" \
+    python -m pytest benchmarks --benchmark-only -q -p no:cacheprovider -p no:xdist \
+    --benchmark-json "$OUT/pytest_bench.json" --benchmark-columns=median,iqr,rounds --benchmark-sort=name \
+    > "$OUT/pytest_bench.log" 2>&1
+  tail -25 "$OUT/pytest_bench.log"
+}
+
+bench() {  # extra arguments for python -m fused_preact.bench; results into $OUT, then benchmarks/results
+  run bench "$@" > "$OUT/bench.log" 2>&1
+  tail -60 "$OUT/bench.log"
+  mkdir -p benchmarks/results && cp "$OUT"/*-20*.json "$OUT"/*-20*.md "$OUT"/*-20*.png benchmarks/results/ 2>/dev/null
+}
+
+case "$STAGE" in
+  check)
+    run tests 240 python -m pytest tests -n 8 -q -p no:cacheprovider > "$OUT/tests.log" 2>&1
+    tail -15 "$OUT/tests.log"
+    run sanitizer 90 compute-sanitizer --tool memcheck --print-limit 20 python - > "$OUT/sanitizer.log" 2>&1 <<'PY'
 import torch
 from fused_preact import FusedBNReLUConv2d
 m = FusedBNReLUConv2d(24, 40, 3, stride=2, padding=1, backend="triton").cuda().to(torch.bfloat16)
@@ -25,9 +78,25 @@ m(x).float().square().sum().backward()
 torch.cuda.synchronize()
 print("sanitized run done")
 PY
-tail -3 "$OUT/sanitizer.log"
-python -m fused_preact --json "$OUT/main_job.json" > "$OUT/main_job.log" 2>&1 || status=1
-grep -v "training:" "$OUT/main_job.log" | tail -12
-python -m pytest benchmarks --benchmark-only -q -p no:cacheprovider --benchmark-json "$OUT/bench.json" \
-  --benchmark-columns=median,iqr,rounds 2>&1 | tee "$OUT/bench.log" | tail -20 || status=1
+    tail -3 "$OUT/sanitizer.log"
+    run main-job 120 python -m fused_preact --json "$OUT/main_job.json" > "$OUT/main_job.log" 2>&1
+    grep -v "training:" "$OUT/main_job.log" | tail -12
+    pytest_bench $((570 - SECONDS > 60 ? 570 - SECONDS : 60))
+    ;;
+  bench)
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
+    bench 560 python -m fused_preact.bench --out "$OUT" --time-limit 500 ${FUSED_PREACT_COMMIT:+--commit "$FUSED_PREACT_COMMIT"} ${BENCH_ARGS:-}
+    ;;
+  quick)
+    bench 200 python -m fused_preact.bench --quick --out "$OUT" ${FUSED_PREACT_COMMIT:+--commit "$FUSED_PREACT_COMMIT"}
+    ;;
+  pytest)
+    pytest_bench 570
+    ;;
+  *)
+    echo "unknown stage '$STAGE' (check, bench, quick, pytest)"
+    exit 2
+    ;;
+esac
+echo "=== done in ${SECONDS}s, status $status"
 exit $status

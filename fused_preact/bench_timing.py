@@ -1,0 +1,429 @@
+"""Benchmark machinery that needs a GPU: measured peaks, the timer, providers and harnesses.
+
+Shared by ``python -m fused_preact.bench`` and the pytest-benchmark suite under ``benchmarks/``.
+Nothing here runs at import time, so the module imports on a CPU-only machine.
+
+Timing method (as ``triton.testing.do_bench``: CUDA events, warm-up, median; plus input rotation): every
+measured call runs between two CUDA events on the current stream and the host waits for the end
+event before the next call (the device is synchronized *inside* each timed call, so no call's work
+overlaps the next call's setup); warm-up calls come first (Triton JIT, Inductor compilation,
+autotuning, cuDNN algorithm search all happen there); the inputs rotate through a pool whose total
+size is at least twice the L2 cache, so a call never finds its input cached by the previous one;
+the result is the median in ms. Untimed per-call setup (the forward pass whose backward is timed,
+copying a batch into a CUDA graph's static input) runs before the start event.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fused_preact.bench_shapes import MODES, BlockShape, ModelSpec, UnitShape
+
+__all__ = [
+    "LAYER_PROVIDERS",
+    "MODEL_PROVIDERS",
+    "COMPILE_MODES",
+    "Peaks",
+    "Measurement",
+    "Skip",
+    "measure_peaks",
+    "pool_count",
+    "time_cuda",
+    "peak_memory",
+    "configure_dynamo",
+    "unit_module",
+    "block_module",
+    "LayerHarness",
+    "StepHarness",
+]
+
+#: Device the harnesses allocate on. Only ever "cuda" for results; tests of the harness logic on a
+#: CPU-only machine point it at "cpu" together with a stand-in for CUDA events.
+DEVICE = "cuda"
+
+#: Providers of the unit and block levels, in table order.
+LAYER_PROVIDERS: tuple[str, ...] = ("eager", "compile", "compile-max-autotune", "triton", "cuda")
+#: Providers of the model level (the ``*-cudagraph`` ones only for the 32×32 CIFAR nets).
+MODEL_PROVIDERS: tuple[str, ...] = LAYER_PROVIDERS + ("eager-cudagraph", "triton-cudagraph")
+#: ``torch.compile`` mode per compile provider. ``max-autotune-no-cudagraphs`` autotunes exactly as
+#: ``mode="max-autotune"`` but leaves out Inductor's CUDA graphs, which would copy every non-static
+#: input into the graph's buffers on each call (an extra pass over x that a layer inside a network
+#: never pays) and allocate from a private pool that hides peak memory; CUDA graphs are measured
+#: on their own at the model level (``*-cudagraph``).
+COMPILE_MODES: dict[str, Optional[str]] = {"compile": None, "compile-max-autotune": "max-autotune-no-cudagraphs"}
+
+
+class Skip(Exception):
+    """A provider cannot run this benchmark; the message is the recorded reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Peaks:
+    """Ceilings measured on this device, for the roofline floor.
+
+    Attributes:
+        tflops: bf16 matmul rate, TFLOP/s (``2·n³`` FLOPs per product, median of the timed runs).
+        gbps: device-to-device copy bandwidth, GB/s (bytes read + bytes written, 1 GB = 1e9 B).
+        matmul_n: n of the n×n×n matmul. copy_bytes: bytes of the copied buffer.
+        l2_bytes: L2 cache size in bytes (``torch.cuda.get_device_properties().L2_cache_size``).
+        sm_count: multiprocessors.
+    """
+
+    tflops: float
+    gbps: float
+    matmul_n: int
+    copy_bytes: int
+    l2_bytes: int
+    sm_count: int
+
+    def as_dict(self) -> dict:
+        """JSON-ready copy."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Measurement:
+    """One timed benchmark: per-call times (ms), their median (ms), peak memory (bytes) and extras."""
+
+    times_ms: list[float]
+    peak_mem_bytes: int
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def median_ms(self) -> float:
+        """Median of :attr:`times_ms`, in ms."""
+        return statistics.median(self.times_ms)
+
+
+def pool_count(set_bytes: int, l2_bytes: int, cap: int = 16, factor: float = 2.0) -> int:
+    """How many input sets of ``set_bytes`` bytes to rotate so the pool holds ≥ ``factor``·L2 bytes.
+
+    At least 2 (consecutive calls never share an input), at most ``cap`` (memory).
+    """
+    if set_bytes <= 0:
+        return 2
+    return int(min(cap, max(2, math.ceil(factor * l2_bytes / set_bytes))))
+
+
+def time_cuda(run: Callable[[Any], Any], setup: Callable[[int], Any] = lambda i: i, *, warmup: int = 3,
+              reps: int = 25, max_s: float = 2.0) -> list[float]:
+    """Time ``run(setup(i))`` with CUDA events; return the per-call device times in ms.
+
+    ``warmup`` untimed calls first; then up to ``reps`` timed calls, stopping early (after at least 3)
+    once ``max_s`` seconds of wall time have passed. Each call: ``setup(i)`` (untimed), start event,
+    ``run``, end event, host waits for the end event. Requires CUDA.
+    """
+    for i in range(warmup):
+        run(setup(i))
+    torch.cuda.synchronize()
+    times: list[float] = []
+    t0 = time.perf_counter()
+    for i in range(reps):
+        state = setup(warmup + i)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run(state)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        if len(times) >= 3 and time.perf_counter() - t0 > max_s:
+            break
+    return times
+
+
+def peak_memory(run: Callable[[Any], Any], setup: Callable[[int], Any] = lambda i: i) -> int:
+    """Bytes one call of ``run(setup(0))`` needs beyond what was allocated when it started:
+    ``torch.cuda.max_memory_allocated()`` after ``reset_peak_memory_stats()``, minus
+    ``memory_allocated()`` before the call (setup's own allocations count as already there)."""
+    state = setup(0)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run(state)
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated() - base)
+
+
+def measure_peaks(matmul_n: int = 8192, copy_bytes: int = 1 << 30, reps: int = 10) -> Peaks:
+    """Measure the bf16 matmul rate (TFLOP/s) and device copy bandwidth (GB/s) of the current GPU.
+
+    Random operands (zeros run faster than real data), 3 warm-ups, median of ``reps`` event-timed runs.
+    These measured ceilings, not datasheet numbers, set the roofline floor (Williams et al. 2009).
+    """
+    a = torch.randn(matmul_n, matmul_n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(matmul_n, matmul_n, device="cuda", dtype=torch.bfloat16)
+    mm_ms = statistics.median(time_cuda(lambda _: torch.mm(a, b), warmup=3, reps=reps, max_s=5.0))
+    del a, b
+    src = torch.randn(copy_bytes // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    cp_ms = statistics.median(time_cuda(lambda _: dst.copy_(src), warmup=3, reps=reps, max_s=5.0))
+    del src, dst
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    torch.cuda.empty_cache()
+    return Peaks(tflops=2 * matmul_n**3 / (mm_ms * 1e-3) / 1e12, gbps=2 * copy_bytes / (cp_ms * 1e-3) / 1e9,
+                 matmul_n=matmul_n, copy_bytes=copy_bytes, l2_bytes=int(getattr(props, "L2_cache_size", 50 << 20)),
+                 sm_count=props.multi_processor_count)
+
+
+def configure_dynamo() -> None:
+    """Let Dynamo compile many distinct modules in one process and fail loudly instead of silently
+    running eager when it would give up (``recompile_limit``/``fail_on_recompile_limit_hit``; older
+    torch: ``cache_size_limit``). Call ``torch._dynamo.reset()`` between benchmarks as well."""
+    cfg = torch._dynamo.config
+    for name, value in (("recompile_limit", 1024), ("cache_size_limit", 1024), ("accumulated_recompile_limit", 8192),
+                        ("accumulated_cache_size_limit", 8192), ("fail_on_recompile_limit_hit", True)):
+        if hasattr(cfg, name):
+            setattr(cfg, name, value)
+
+
+def _compile(module: nn.Module, provider: str) -> nn.Module:
+    configure_dynamo()
+    torch._dynamo.reset()
+    mode = COMPILE_MODES[provider]
+    return torch.compile(module, dynamic=False, **({"mode": mode} if mode else {}))
+
+
+def cuda_backend_reason(x: torch.Tensor) -> Optional[str]:
+    """Why the fused ``cuda`` backend cannot serve ``x``, or None when it can: it must be listed in
+    ``fused_preact.dispatch.BACKENDS`` and ``select_backend("cuda", x)`` must accept ``x``."""
+    from fused_preact.dispatch import BACKENDS, select_backend
+
+    if "cuda" not in BACKENDS:
+        return "backend 'cuda' is not registered in fused_preact.dispatch.BACKENDS (extension not built)"
+    try:
+        select_backend("cuda", x)
+    except (RuntimeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def _prepare(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    return module.to(device=DEVICE, dtype=dtype, memory_format=torch.channels_last).train()
+
+
+def _probe(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, device=DEVICE, dtype=dtype).contiguous(memory_format=torch.channels_last)
+
+
+def unit_module(provider: str, u: UnitShape, dtype: torch.dtype) -> nn.Module:
+    """The BN→ReLU→Conv module of ``provider`` for unit ``u``, on CUDA in ``dtype``, channels_last,
+    training mode; the same seed gives every provider the same initial weights.
+
+    eager: ``nn.Sequential(BatchNorm2d, ReLU, Conv2d)`` (cuDNN). compile / compile-max-autotune: that
+    module under ``torch.compile`` (:data:`COMPILE_MODES`). triton / cuda:
+    ``FusedBNReLUConv2d(backend=...)``.
+
+    Raises:
+        Skip: the provider cannot serve this input (reason recorded). ValueError: unknown provider.
+    """
+    from fused_preact.modules import FusedBNReLUConv2d
+
+    if provider not in LAYER_PROVIDERS:
+        raise ValueError(f"unknown unit provider {provider!r}; expected one of {LAYER_PROVIDERS}")
+    if provider == "cuda":
+        reason = cuda_backend_reason(_probe((u.N, u.C, u.H, u.W), dtype))
+        if reason:
+            raise Skip(reason)
+    torch.manual_seed(0)
+    fused = FusedBNReLUConv2d(u.C, u.K, (u.R, u.S), u.stride, u.padding, u.dilation, u.groups,
+                              backend=provider if provider in ("triton", "cuda") else "reference")
+    if provider in ("triton", "cuda"):
+        return _prepare(fused, dtype)
+    eager = _prepare(nn.Sequential(OrderedDict(bn=fused.bn, relu=nn.ReLU(), conv=fused.conv)), dtype)
+    return eager if provider == "eager" else _compile(eager, provider)
+
+
+def block_module(provider: str, b: BlockShape, dtype: torch.dtype) -> nn.Module:
+    """The pre-activation block of ``provider`` for block ``b`` (CUDA, ``dtype``, channels_last,
+    training): eager ``fused_preact.models.PreActBottleneck``/``PreActBlock``, compile providers that
+    module under ``torch.compile``, triton/cuda ``FusedPreActBottleneck``/``FusedPreActBlock``.
+
+    Raises:
+        Skip: the provider cannot serve this input. ValueError: unknown provider.
+    """
+    from fused_preact.models import PreActBlock, PreActBottleneck
+    from fused_preact.modules import FusedPreActBlock, FusedPreActBottleneck
+
+    if provider not in LAYER_PROVIDERS:
+        raise ValueError(f"unknown block provider {provider!r}; expected one of {LAYER_PROVIDERS}")
+    if provider == "cuda":
+        reason = cuda_backend_reason(_probe((b.N, b.in_planes, b.H, b.W), dtype))
+        if reason:
+            raise Skip(reason)
+    torch.manual_seed(0)
+    bottleneck = b.kind == "bottleneck"
+    kw = dict(groups=b.groups, base_width=b.base_width) if bottleneck else {}
+    if provider in ("triton", "cuda"):
+        cls = FusedPreActBottleneck if bottleneck else FusedPreActBlock
+        return _prepare(cls(b.in_planes, b.planes, b.stride, backend=provider, **kw), dtype)
+    eager = _prepare((PreActBottleneck if bottleneck else PreActBlock)(b.in_planes, b.planes, b.stride, **kw), dtype)
+    return eager if provider == "eager" else _compile(eager, provider)
+
+
+def _randn(shape, dtype, channels_last=True) -> torch.Tensor:
+    t = torch.randn(shape, device=DEVICE, dtype=dtype)
+    return t.contiguous(memory_format=torch.channels_last) if channels_last and t.dim() == 4 else t
+
+
+class LayerHarness:
+    """Setup/run closures that time a unit or block module in each mode (see the module docstring).
+
+    The first forward runs in the constructor, with grad as in training (it compiles the training
+    graph, which ``fwd`` then reuses, and gives the output shape). The pool
+    holds ``pool_count`` input sets (x requiring grad, channels_last; dy of the output's shape).
+
+    Modes, each in training mode (BN uses batch statistics and updates its running stats):
+        fwd      ``y = module(x)`` with x requiring grad (autograd saves what backward needs)
+        bwd      ``torch.autograd.grad(y, [x, *params], dy)``; the forward is untimed setup
+        fwd+bwd  both in one timed call
+    ``torch.autograd.grad`` returns fresh gradients, so no call pays for accumulating into ``.grad``.
+    """
+
+    def __init__(self, module: nn.Module, x_shape: tuple, dtype: torch.dtype, l2_bytes: int, pool_cap: int = 16):
+        self.module = module
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        x0 = _randn(x_shape, dtype).requires_grad_()
+        y0 = module(x0)
+        self.out_shape = tuple(y0.shape)
+        elem = x0.element_size()
+        self.n = pool_count(elem * (x0.numel() + y0.numel()), l2_bytes, pool_cap)
+        del y0
+        self.xs = [x0] + [_randn(x_shape, dtype).requires_grad_() for _ in range(self.n - 1)]
+        self.dys = [_randn(self.out_shape, dtype) for _ in range(self.n)]
+
+    def _grad(self, y: torch.Tensor, k: int):
+        return torch.autograd.grad(y, [self.xs[k]] + self.params, self.dys[k])
+
+    def fns(self, mode: str) -> tuple[Callable[[int], Any], Callable[[Any], Any]]:
+        """(setup, run) for ``mode``; ``run(setup(i))`` is one call.
+
+        Raises:
+            ValueError: unknown mode.
+        """
+        n = self.n
+        if mode == "fwd":
+            return (lambda i: i % n), (lambda k: self.module(self.xs[k]))
+        if mode == "bwd":
+            return (lambda i: (self.module(self.xs[i % n]), i % n)), (lambda s: self._grad(*s))
+        if mode == "fwd+bwd":
+            return (lambda i: i % n), (lambda k: self._grad(self.module(self.xs[k]), k))
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+    def measure(self, mode: str, warmup: int, reps: int, max_s: float) -> Measurement:
+        """Time ``mode`` (:func:`time_cuda`) and measure one call's peak memory (:func:`peak_memory`)."""
+        setup, run = self.fns(mode)
+        times = time_cuda(run, setup, warmup=warmup, reps=reps, max_s=max_s)
+        return Measurement(times, peak_memory(run, setup), {"pool": self.n})
+
+
+class StepHarness:
+    """One training step of a whole model: ``zero_grad(set_to_none=True)``, forward, cross-entropy,
+    backward, ``SGD(lr=0.01, momentum=0.9, weight_decay=1e-4, foreach=True).step()``.
+
+    Providers: eager (the eager twin), compile / compile-max-autotune (the eager twin under
+    ``torch.compile``; the optimizer stays eager), triton / cuda (``fused=True`` with that backend),
+    ``eager-cudagraph`` / ``triton-cudagraph`` (the whole step captured in one CUDA graph and
+    replayed: warm-up steps on a side stream first, gradients set to None before capture so backward
+    allocates them in the graph's pool; SGD keeps no host-side step counter, so its captured update
+    is replay-safe; the batch is copied into the static input as untimed setup).
+
+    The model runs in ``dtype`` (parameters too, no autocast), channels_last, from one seed, the
+    fused build loading the eager build's state_dict. ``peak_mem_bytes`` of a measurement is the
+    memory a step needs beyond parameters, gradients, optimizer state and the batch (for the graph
+    variants: what the capture allocated, gradients included).
+
+    Raises (constructor):
+        Skip: the provider cannot run this model. ValueError: unknown provider.
+    """
+
+    def __init__(self, spec: ModelSpec, provider: str, batch: int, dtype: torch.dtype, l2_bytes: int,
+                 pool_cap: int = 4, graph_warmup: int = 3):
+        if provider not in MODEL_PROVIDERS:
+            raise ValueError(f"unknown model provider {provider!r}; expected one of {MODEL_PROVIDERS}")
+        if provider.endswith("-cudagraph") and not spec.cifar:
+            raise Skip("CUDA-graph capture is benchmarked for the 32×32 CIFAR nets only")
+        backend = provider.split("-")[0]
+        fused = backend in ("triton", "cuda")
+        shape = (batch, 3, spec.image_size, spec.image_size)
+        if backend == "cuda":
+            reason = cuda_backend_reason(_probe(shape, dtype))
+            if reason:
+                raise Skip(reason)
+        torch.manual_seed(0)
+        eager = spec.factory(False, "reference")
+        if fused:
+            model = spec.factory(True, backend)
+            model.load_state_dict(eager.state_dict())
+            del eager
+        else:
+            model = eager
+        self.model = _prepare(model, dtype)
+        self.forward = _compile(self.model, provider) if provider in COMPILE_MODES else self.model
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4, foreach=True)
+        self.n = pool_count(torch.finfo(dtype).bits // 8 * math.prod(shape), l2_bytes, pool_cap)
+        self.xs = [_randn(shape, dtype) for _ in range(self.n)]
+        self.ys = [torch.randint(0, spec.num_classes, (batch,), device=DEVICE) for _ in range(self.n)]
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.capture_peak: Optional[int] = None
+        if provider.endswith("-cudagraph"):
+            self._capture(graph_warmup)
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.forward(x).float(), y)
+        loss.backward()
+        self.opt.step()
+        return loss
+
+    def _capture(self, warmup: int) -> None:
+        self.static_x, self.static_y = self.xs[0].clone(), self.ys[0].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(warmup):
+                self._step(self.xs[i % self.n], self.ys[i % self.n])
+        torch.cuda.current_stream().wait_stream(side)
+        self.opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_loss = self._step_captured()
+        torch.cuda.synchronize()
+        self.capture_peak = int(torch.cuda.max_memory_allocated() - base)
+
+    def _step_captured(self) -> torch.Tensor:
+        loss = F.cross_entropy(self.forward(self.static_x).float(), self.static_y)
+        loss.backward()
+        self.opt.step()
+        return loss
+
+    def fns(self) -> tuple[Callable[[int], Any], Callable[[Any], Any]]:
+        """(setup, run) for one step; ``run(setup(i))`` is one call."""
+        n = self.n
+        if self.graph is not None:
+            def setup(i):
+                self.static_x.copy_(self.xs[i % n])
+                self.static_y.copy_(self.ys[i % n])
+            return setup, (lambda _: self.graph.replay())
+        return (lambda i: i % n), (lambda k: self._step(self.xs[k], self.ys[k]))
+
+    def measure(self, warmup: int, reps: int, max_s: float) -> Measurement:
+        """Time one step (:func:`time_cuda`) and its peak memory; loss must stay finite."""
+        setup, run = self.fns()
+        times = time_cuda(run, setup, warmup=warmup, reps=reps, max_s=max_s)
+        peak = self.capture_peak if self.graph is not None else peak_memory(run, setup)
+        loss = self.static_loss if self.graph is not None else self._step(self.xs[0], self.ys[0])
+        if not torch.isfinite(loss).item():
+            raise RuntimeError(f"training step produced a non-finite loss ({loss.item()})")
+        return Measurement(times, peak, {"pool": self.n})

@@ -1,0 +1,297 @@
+"""The benchmark machinery on CPU: shape enumeration, FLOP/byte/floor arithmetic, the results format,
+report rendering, the harness closures, and the CLI's refusal to time anything without CUDA.
+
+No timing is taken here (CPU timings of GPU kernels mean nothing); the harness test swaps CUDA
+events for a host clock only to run the setup/run closures and check what they compute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fused_preact import bench
+from fused_preact import bench_timing as BT
+from fused_preact.bench_shapes import (UnitShape, block_flops, block_min_bytes, dtype_from_name, enumerate_blocks,
+                                       enumerate_units, floor_ms, pct_of_floor, quick_units, unit_flops,
+                                       unit_min_bytes)
+
+R50_3X3 = UnitShape("preact_resnet50", "preact_resnet50/layer1.0/conv2", 128, 64, 56, 56, 64, 3, 3, (1, 1), (1, 1))
+
+
+def _by_name(units):
+    return {n: u for u in units for n in u.names}
+
+
+# ------------------------------------------------------------------------------------------- shapes
+def test_resnet50_units():
+    units = enumerate_units("preact_resnet50", 128)
+    assert sum(u.count for u in units) == 16 * 3 + 4  # 16 bottlenecks × 3 convs + 4 projection shortcuts
+    assert len(units) == 22
+    assert len({u.key() for u in units}) == len(units)
+    by = _by_name(units)
+    c1 = by["preact_resnet50/layer1.0/conv1"]
+    assert (c1.N, c1.C, c1.K, c1.R, c1.S, c1.H, c1.W, c1.stride) == (128, 64, 64, 1, 1, 56, 56, (1, 1))
+    s2 = by["preact_resnet50/layer2.0/conv2"]  # stride on the 3×3 (torchvision v1.5 / timm)
+    assert (s2.C, s2.K, s2.R, s2.stride, s2.padding, s2.H, s2.P, s2.Q) == (128, 128, 3, (2, 2), (1, 1), 56, 28, 28)
+    sc = by["preact_resnet50/layer3.0/shortcut"]
+    assert (sc.C, sc.K, sc.R, sc.stride, sc.H, sc.P) == (512, 1024, 1, (2, 2), 28, 14)
+    # layer1.0's projection has conv3's shape (64→256 1×1 at 56²): one benchmark, both names
+    assert by["preact_resnet50/layer1.0/shortcut"] is by["preact_resnet50/layer1.0/conv3"]
+    assert by["preact_resnet50/layer1.0/conv3"].count == 4
+    assert by["preact_resnet50/layer4.1/conv2"].describe() == "512→512 3×3/1 @7²"
+
+
+def test_resnet164_units_at_32():
+    units = enumerate_units("preact_resnet164", 128)
+    assert sum(u.count for u in units) == 54 * 3 + 3
+    assert len(units) == 16
+    assert {u.H for u in units} == {32, 16, 8}
+    by = _by_name(units)
+    assert by["preact_resnet164/layer1.5/conv2"].key() == (128, 16, 32, 32, 16, 3, 3, (1, 1), (1, 1), (1, 1), 1)
+    assert by["preact_resnet164/layer1.0/conv2"].count == 18
+    assert by["preact_resnet164/layer3.0/conv2"].P == 8
+    assert enumerate_units("preact_resnet164", 7)[0].N == 7
+
+
+def test_blocks():
+    r50 = enumerate_blocks("preact_resnet50", 128)
+    assert [b.count for b in r50] == [1, 2, 1, 3, 1, 5, 1, 2]
+    b = r50[2]
+    assert (b.name, b.kind, b.in_planes, b.planes, b.stride, b.H) == ("preact_resnet50/layer2.0", "bottleneck", 256, 128, 2, 56)
+    assert [u.name.rsplit("/", 1)[1] for u in b.units] == ["conv1", "conv2", "conv3", "shortcut"]
+    assert len(r50[1].units) == 3  # identity shortcut: no projection unit
+    r164 = enumerate_blocks("preact_resnet164", 128)
+    assert len(r164) == 6 and sum(b.count for b in r164) == 54
+    basic = enumerate_blocks("preact_resnet20", 4)
+    assert basic[0].kind == "basic" and [u.R for u in basic[0].units] == [3, 3]
+
+
+def test_quick_subset_is_a_subset():
+    full = {u.key() for u in enumerate_units("preact_resnet50", 128)}
+    quick = quick_units("preact_resnet50", 128)
+    assert 1 < len(quick) < len(full) and {u.key() for u in quick} <= full
+    assert any(u.stride == (2, 2) and u.R == 3 for u in quick)
+
+
+# ------------------------------------------------------------------------------------ cost model
+def test_flops_and_bytes_tiny_unit():
+    u = UnitShape("m", "m/x/conv", 1, 1, 4, 4, 1, 3, 3, (1, 1), (1, 1))  # x 16, W 9, y 16 elements
+    assert unit_flops(u, "fwd") == 2 * 16 * 9 == 288
+    assert unit_flops(u, "bwd") == 576 and unit_flops(u, "fwd+bwd") == 864
+    assert unit_min_bytes(u, "fwd", 4) == 4 * (16 + 9 + 16) == 164
+    assert unit_min_bytes(u, "bwd", 4) == 4 * (16 + 32 + 18) == 264
+    assert unit_min_bytes(u, "fwd+bwd", 4) == 428
+    g = UnitShape("m", "m/x/g", 2, 8, 5, 5, 16, 3, 3, (2, 2), (1, 1), groups=4)  # P = Q = 3, C/g = 2
+    assert unit_flops(g, "fwd") == 2 * 2 * 9 * 16 * 2 * 9
+    with pytest.raises(ValueError):
+        unit_flops(u, "step")
+
+
+def test_floor_resnet50_3x3_is_compute_bound():
+    assert unit_flops(R50_3X3, "fwd") == 29_595_009_024
+    assert unit_min_bytes(R50_3X3, "fwd", 2) == 102_834_176
+    assert unit_min_bytes(R50_3X3, "bwd", 2) == 154_288_128
+    f = floor_ms(unit_flops(R50_3X3, "fwd"), unit_min_bytes(R50_3X3, "fwd", 2), 800.0, 3000.0)
+    assert f == pytest.approx(0.03699376128, rel=1e-12)  # 29.6 GFLOP at 800 TFLOP/s > 102.8 MB at 3 TB/s
+    assert pct_of_floor(f, 2 * f) == pytest.approx(50.0)
+    assert pct_of_floor(None, 1.0) is None
+
+
+def test_floor_cifar_1x1_is_memory_bound():
+    u = UnitShape("m", "m/x/c3", 128, 16, 32, 32, 64, 1, 1)
+    assert unit_flops(u, "fwd") == 268_435_456
+    assert unit_min_bytes(u, "fwd", 2) == 20_973_568
+    assert floor_ms(268_435_456, 20_973_568, 800.0, 3000.0) == pytest.approx(20_973_568 / 3e12 * 1e3, rel=1e-12)
+    with pytest.raises(ValueError):
+        floor_ms(1, 1, 0.0, 1.0)
+
+
+def test_block_costs_sum_units():
+    b = enumerate_blocks("preact_resnet50", 128)[2]
+    assert block_flops(b, "fwd+bwd") == sum(3 * unit_flops(u, "fwd") for u in b.units)
+    assert block_min_bytes(b, "fwd", 2) == sum(unit_min_bytes(u, "fwd", 2) for u in b.units)
+
+
+def test_pool_count_and_dtype_names():
+    l2 = 50 << 20
+    assert BT.pool_count(4 << 20, l2) == 16  # capped
+    assert BT.pool_count(30 << 20, l2) == 4  # ceil(100 / 30)
+    assert BT.pool_count(256 << 20, l2) == 2  # never fewer than 2
+    assert dtype_from_name("bf16") is torch.bfloat16 and dtype_from_name("torch.float16") is torch.float16
+    with pytest.raises(ValueError):
+        dtype_from_name("int8")
+
+
+# --------------------------------------------------------------------------------- results format
+def _entry(provider, ms, name="preact_resnet50/layer1.0/conv2", level="unit", mode="fwd+bwd", mem=1000):
+    fl = unit_flops(R50_3X3, "fwd+bwd") if level != "model" else None
+    nb = unit_min_bytes(R50_3X3, "fwd+bwd", 2) if level != "model" else None
+    return bench.make_entry(name=name, level=level, provider=provider, mode=mode, dtype="bf16", batch=128,
+                            times_ms=[ms * 1.1, ms, ms * 0.95], peak_mem_bytes=mem, flops=fl, min_bytes=nb,
+                            floor=floor_ms(fl, nb, 800.0, 3000.0) if fl else None)
+
+
+def _results(entries):
+    return dict(device="NVIDIA H100 80GB HBM3", driver="580.159.04", torch="2.11.0", triton="3.6.0", commit="abc123",
+                date="2026-11-20T15:30:00Z", command="python -m fused_preact.bench", results=entries,
+                skipped=[dict(name="x", level="unit", provider="cuda", reason="not built")], peaks=dict(tflops=800, gbps=3000))
+
+
+def test_entry_fields_from_explicit_timing():
+    e = bench.make_entry(name="m/l/c", level="unit", provider="triton", mode="fwd", dtype="bf16", batch=128,
+                         times_ms=[3.0, 1.0, 2.0], peak_mem_bytes=5, flops=4e12, min_bytes=6e9, floor=1.5)
+    assert e["median_ms"] == 2.0 and e["min_ms"] == 1.0 and e["reps"] == 3
+    assert e["tflops"] == pytest.approx(2000.0) and e["gbps"] == pytest.approx(3000.0)
+    assert e["floor_ms"] == 1.5 and e["pct_of_floor"] == pytest.approx(75.0)
+    with pytest.raises(ValueError):
+        bench.make_entry(name="x", level="unit", provider="p", mode="fwd", dtype="bf16", batch=1, times_ms=[],
+                         peak_mem_bytes=0)
+
+
+def test_results_file_schema(tmp_path):
+    obj = _results([_entry("eager", 2.0, mem=4000), _entry("triton", 1.0, mem=1000),
+                    _entry("eager", 50.0, name="preact_resnet50/train_step", level="model", mode="step")])
+    path = bench.results_path(tmp_path, obj["device"], obj["date"])
+    assert path.name == "nvidia-h100-80gb-hbm3-2026-11-20-15-30-00.json"
+    bench.annotate(obj["results"])
+    bench.write_results(obj, path)
+    back = json.loads(path.read_text())
+    assert bench.validate_results(back) == []
+    for key in ("device", "driver", "torch", "triton", "commit", "date", "command", "results"):
+        assert key in back
+    tri = back["results"][1]
+    for key in ("name", "level", "provider", "mode", "dtype", "batch", "median_ms", "peak_mem_bytes", "floor_ms"):
+        assert key in tri
+    assert tri["speedup_vs_eager"] == pytest.approx(2.0) and tri["mem_vs_eager"] == pytest.approx(0.25)
+    assert "floor_ms" not in back["results"][2]
+
+
+def test_validation_rejects_bad_results(tmp_path):
+    bad = _results([_entry("triton", 1.0)])
+    del bad["results"][0]["floor_ms"]
+    bad["results"].append(dict(bad["results"][0], level="layer", median_ms=0.0))
+    del bad["driver"]
+    problems = bench.validate_results(bad)
+    assert any("driver" in p for p in problems)
+    assert any("floor_ms" in p for p in problems)
+    assert any("level" in p for p in problems) and any("median_ms" in p for p in problems)
+    with pytest.raises(ValueError):
+        bench.write_results(bad, tmp_path / "bad.json")
+    assert not (tmp_path / "bad.json").exists()
+
+
+def test_table_and_markdown_show_speedups():
+    obj = _results([_entry("eager", 2.0), _entry("compile", 1.5), _entry("triton", 1.0)])
+    text = bench.format_table(obj)
+    assert "2.00×" in text and "1.50×" in text  # triton vs eager, vs compile
+    assert "H100" in text and "580.159.04" in text and "not built" in text
+    md = bench.markdown_report(obj)
+    assert md.count("| unit | fwd+bwd | triton | 1 | 2.00× | 1.50× |") == 1
+
+
+def test_chart_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    obj = _results([_entry("eager", 2.0), _entry("triton", 1.0),
+                    _entry("eager", 50.0, name="preact_resnet164/train_step", level="model", mode="step", mem=8 << 30),
+                    _entry("triton-cudagraph", 30.0, name="preact_resnet164/train_step", level="model", mode="step",
+                           mem=4 << 30)])
+    path = bench.write_chart(obj, tmp_path / "chart.png")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_report_rerenders_existing_file(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = bench.write_results(_results([_entry("eager", 2.0), _entry("triton", 1.0)]), tmp_path / "r.json")
+    assert bench.main(["--report", str(path)]) == 0
+    assert (tmp_path / "r.md").exists() and (tmp_path / "r.png").exists()
+    assert "2.00×" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------- running
+def test_plan_runs_cheap_providers_first():
+    tasks = bench._plan(["unit", "model"], ["preact_resnet50", "preact_resnet164"], list(bench._ALL_PROVIDERS), 128, True)
+    groups = [t.group for t in tasks]
+    assert groups == sorted(groups)
+    first_compile = next(i for i, t in enumerate(tasks) if t.provider == "compile")
+    assert all(t.provider not in bench._COMPILE for t in tasks[:first_compile])
+    assert tasks[-1].provider == "compile-max-autotune"
+    assert (tasks[first_compile].level, tasks[first_compile].model) == ("model", "preact_resnet50")
+    assert tasks[first_compile + 1].level == "unit"
+    graphs = [t for t in tasks if t.provider.endswith("-cudagraph")]
+    assert {(t.level, t.model) for t in graphs} == {("model", "preact_resnet164")}
+
+
+def test_cli_refuses_without_cuda(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    out = tmp_path / "results"
+    p = subprocess.run([sys.executable, "-m", "fused_preact.bench", "--quick", "--out", str(out)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "no CUDA device" in p.stderr
+    assert not out.exists()
+
+
+class _HostEvent:
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
+@pytest.fixture
+def host_harness(monkeypatch):
+    monkeypatch.setattr(BT, "DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    return BT
+
+
+def test_layer_harness_computes_the_unit_and_its_gradients(host_harness):
+    u = UnitShape("m", "m/l/c", 3, 4, 6, 5, 8, 3, 3, (2, 2), (1, 1))
+    mod = BT.unit_module("eager", u, torch.float64)
+    assert [type(m) for m in mod] == [nn.BatchNorm2d, nn.ReLU, nn.Conv2d]
+    h = BT.LayerHarness(mod, (3, 4, 6, 5), torch.float64, l2_bytes=50 << 20, pool_cap=3)
+    assert h.n == 3 and h.out_shape == (3, 8, 3, 3) and len(h.xs) == len(h.dys) == 3
+    assert h.xs[0].is_contiguous(memory_format=torch.channels_last)
+    setup, run = h.fns("fwd+bwd")
+    k = setup(4)
+    grads = run(k)
+    x = h.xs[k].detach().clone().requires_grad_()
+    ref_mod = nn.Sequential(OrderedDict(bn=nn.BatchNorm2d(4), relu=nn.ReLU(), conv=nn.Conv2d(4, 8, 3, 2, 1, bias=False)))
+    ref_mod = ref_mod.double()
+    ref_mod.load_state_dict(mod.state_dict())
+    ref = torch.autograd.grad(ref_mod(x), [x, *ref_mod.parameters()], h.dys[k])
+    assert len(grads) == 4
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r)
+    y, kb = h.fns("bwd")[0](1)
+    assert y.shape == (3, 8, 3, 3) and [g.shape for g in h.fns("bwd")[1]((y, kb))] == [r.shape for r in ref]
+    times = BT.time_cuda(run, setup, warmup=1, reps=4, max_s=10.0)
+    assert len(times) == 4 and all(t > 0 for t in times)
+
+
+def test_unavailable_providers_skip_with_a_reason(host_harness):
+    u = UnitShape("m", "m/l/c", 2, 8, 4, 4, 8, 1, 1)
+    with pytest.raises(BT.Skip, match="cuda"):
+        BT.unit_module("cuda", u, torch.bfloat16)
+    with pytest.raises(BT.Skip, match="CIFAR"):
+        BT.StepHarness(bench.MODEL_SPECS["preact_resnet50"], "triton-cudagraph", 2, torch.float32, 50 << 20)
+    with pytest.raises(ValueError):
+        BT.unit_module("tensorrt", u, torch.bfloat16)
