@@ -247,3 +247,33 @@ def test_device_mismatch():
     m.conv.weight.data = m.conv.weight.data.cpu()
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         m(torch.randn(2, 3, 4, 4, device="cuda"))
+
+
+def _assert_raises_untouched(m: nn.Module, x: torch.Tensor, exc, match: str) -> None:
+    """The call raises ``exc`` matching ``match`` and leaves every buffer (running stats,
+    num_batches_tracked) exactly as it was."""
+    before = {k: v.clone() for k, v in m.named_buffers()}
+    with pytest.raises(exc, match=match):
+        m(x)
+    for k, v in m.named_buffers():
+        assert torch.equal(v, before[k]), k
+
+
+def test_forced_backend_that_cannot_serve_raises_and_leaves_buffers():
+    m = FusedBNReLUConv2d(3, 4, 3, padding=1, groups=1, backend="cuda").to(DEVICE)
+    x = torch.randn(2, 3, 6, 6, device=DEVICE)
+    _assert_raises_untouched(m, x, RuntimeError, r"backend='cuda' cannot serve this input: cuda: ")
+
+
+def test_weight_on_another_device_raises_and_leaves_buffers():
+    m = FusedBNReLUConv2d(3, 4, 3, padding=1, backend="triton").to(DEVICE)
+    m.conv.weight = nn.Parameter(torch.empty(4, 3, 3, 3, device="meta"))
+    x = torch.randn(2, 3, 6, 6, device=DEVICE)
+    _assert_raises_untouched(m, x, RuntimeError, "Expected all tensors to be on the same device")
+
+
+def test_groups_not_dividing_channels_raises_and_leaves_buffers():
+    m = FusedBNReLUConv2d(4, 4, 3, padding=1, groups=2, backend="triton").to(DEVICE)
+    m.conv.groups = 3
+    x = torch.randn(2, 4, 6, 6, device=DEVICE)
+    _assert_raises_untouched(m, x, RuntimeError, "Given groups=3")
