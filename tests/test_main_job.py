@@ -26,6 +26,19 @@ def test_main_job_small(tmp_path, capsys):
     assert "fused build ran the triton path" in text
 
 
+def test_soak_rule_small(tmp_path, capsys):
+    """--soak judges the tail-mean loss (and memory growth on CUDA); a tiny run exercises it."""
+    out = tmp_path / "soak.json"
+    args = ["--steps", "3", "--depth", "8", "--batch-size", "4", "--image-size", "8", "--backend", "triton",
+            "--device", DEVICE, "--no-fp64-reference", "--soak", "--json", str(out)]
+    assert main(args) == 0
+    r = json.loads(out.read_text())
+    assert r["soak"] and r["ok"] and r["tail_rel_divergence"] < 1e-3
+    assert (r["mem_growth_bytes"] is None) == (DEVICE == "cpu")
+    assert "soak rule" in capsys.readouterr().out
+    assert main(args + ["--tolerance-soak", "-1"]) == 1  # the rule can fail
+
+
 def test_main_job_cli_help(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
