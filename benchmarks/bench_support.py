@@ -12,7 +12,8 @@ Environment:
 Each timed round is one call followed by ``torch.cuda.synchronize()`` (pytest-benchmark's host clock
 then measures device time); untimed setup (the forward of a ``bwd`` round, a batch copy into a CUDA
 graph's input) ends with a synchronize too. Warm-up rounds (compilation, autotuning) are untimed.
-``benchmark.extra_info`` records name, level, provider, mode, dtype, batch, peak_mem_bytes and, for
+``benchmark.extra_info`` records name, level, provider, mode, dtype, batch, peak_mem_bytes, backend
+(what ran: ``eager``, ``triton`` or ``cuda``, checked on every fused module's ``last_backend``) and, for
 units and blocks, flops, min_bytes, floor_ms (roofline floor from the measured peaks), tflops, gbps
 and pct_of_floor — the fields of a ``python -m fused_preact.bench`` results entry.
 """
@@ -82,11 +83,13 @@ class _LastHarness:
             torch._dynamo.reset()
             try:
                 cls.value = build()
-            except BT.Skip as e:
+            except Exception as e:  # a Skip, or an error the other modes of this case need not rebuild to hit
                 cls.value = e
             cls.key = key
         if isinstance(cls.value, BT.Skip):
             pytest.skip(str(cls.value))
+        if isinstance(cls.value, Exception):
+            raise RuntimeError(f"building the harness failed: {type(cls.value).__name__}: {cls.value}") from cls.value
         return cls.value
 
 
@@ -115,7 +118,7 @@ def run_layer(benchmark, peaks: BT.Peaks, level: str, item, provider: str, mode:
     def build():
         mod = (BT.unit_module if unit else BT.block_module)(provider, item, DTYPE)
         c = item.C if unit else item.in_planes
-        return BT.LayerHarness(mod, (item.N, c, item.H, item.W), DTYPE, peaks.l2_bytes)
+        return BT.LayerHarness(mod, (item.N, c, item.H, item.W), DTYPE, peaks.l2_bytes, provider=provider)
 
     h = _LastHarness.get((level, item.name, provider), build)
     setup_fn, run_fn = h.fns(mode)
@@ -127,7 +130,8 @@ def run_layer(benchmark, peaks: BT.Peaks, level: str, item, provider: str, mode:
     benchmark.extra_info.update(name=item.name, level=level, provider=provider, mode=mode, dtype="bf16", batch=BATCH,
                                 shape=item.describe(), flops=fl, min_bytes=nb, floor_ms=floor, tflops=tflops,
                                 gbps=gbps, pct_of_floor=pct_of_floor(floor, med_ms),
-                                peak_mem_bytes=BT.peak_memory(run_fn, setup_fn))
+                                peak_mem_bytes=BT.peak_memory(run_fn, setup_fn),
+                                backend=BT.check_backend(h.module, provider))
 
 
 def run_model(benchmark, peaks: BT.Peaks, model: str, provider: str) -> None:
@@ -141,4 +145,5 @@ def run_model(benchmark, peaks: BT.Peaks, model: str, provider: str) -> None:
     _pedantic(benchmark, setup_fn, run_fn, "model")
     peak = h.capture_peak if h.graph is not None else BT.peak_memory(run_fn, setup_fn)
     benchmark.extra_info.update(name=f"{model}/train_step", level="model", provider=provider, mode="step",
-                                dtype="bf16", batch=BATCH, peak_mem_bytes=peak)
+                                dtype="bf16", batch=BATCH, peak_mem_bytes=peak,
+                                backend=BT.check_backend(h.model, provider))

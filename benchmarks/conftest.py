@@ -4,14 +4,18 @@ Run: ``pytest benchmarks --benchmark-only`` (``FUSED_PREACT_BENCH=quick`` for th
 ``bench_support.py``). The peaks of the roofline floor are measured once per session.
 """
 
+import os
+
 import pytest
 import torch
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return
-    skip = pytest.mark.skip(reason="benchmarks need a CUDA device")
+    reason = ("benchmarks need a CUDA device" if not torch.cuda.is_available() else
+              "TRITON_INTERPRET is set: the fused kernels would run in Triton's interpreter")
+    skip = pytest.mark.skip(reason=reason)
     for item in items:
         item.add_marker(skip)
 

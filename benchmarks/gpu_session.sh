@@ -5,14 +5,14 @@
 #   bash benchmarks/gpu_session.sh check   environment, test suite on CUDA (no interpreter),
 #                                          compute-sanitizer on one small fused unit, the main job,
 #                                          pytest-benchmark quick set (~9.5 min)
-#   bash benchmarks/gpu_session.sh bench   python -m fused_preact.bench (full, --time-limit 500 s):
+#   bash benchmarks/gpu_session.sh bench   "$PY" -m fused_preact.bench (full, --time-limit ~470 s):
 #                                          <device>-<date>.json/.md/.png (~9.5 min). It runs eager,
 #                                          fused and CUDA graphs everywhere first, then torch.compile
 #                                          for PreActResNet-50, and records what the budget left out
 #                                          as skipped; a second call can take those, e.g.
 #     BENCH_ARGS="--models preact_resnet164 --providers eager triton compile" bash benchmarks/gpu_session.sh bench
 #     BENCH_ARGS="--level unit block --models preact_resnet50 --providers eager triton compile-max-autotune" ...
-#   bash benchmarks/gpu_session.sh quick   python -m fused_preact.bench --quick (~2.5 min)
+#   bash benchmarks/gpu_session.sh quick   "$PY" -m fused_preact.bench --quick (~2.5 min)
 #   bash benchmarks/gpu_session.sh pytest  pytest benchmarks --benchmark-only
 #                                          (FUSED_PREACT_BENCH=quick unless set; ~9.5 min at most)
 #
@@ -22,6 +22,9 @@
 # writes them there on the device, where they vanish with the machine).
 set -uo pipefail
 STAGE=${1:-check}
+case "$STAGE" in check|bench|quick|pytest) ;; *) echo "unknown stage '$STAGE' (check, bench, quick, pytest)"; exit 2 ;; esac
+# the device image's interpreter is python3 (a venv's; a bare `python` may be missing there)
+PY=${PYTHON:-$(command -v python3 || command -v python)}
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -29,8 +32,9 @@ unset TRITON_INTERPRET
 SECONDS=0
 status=0
 
-# run NAME LIMIT_S CMD...: run CMD with SIGINT after LIMIT_S seconds (Python saves what it has and
-# pytest-benchmark writes its JSON on interrupt), SIGKILL 30 s later; record a failure.
+# run NAME LIMIT_S CMD...: run CMD with SIGINT after LIMIT_S seconds (timeout signals its whole process
+# group, Inductor's compile workers too; Python saves what it has and pytest-benchmark writes its JSON
+# on interrupt), SIGKILL 30 s later; record a failure (exit 124: timed out).
 run() {
   local name=$1 limit=$2
   shift 2
@@ -45,21 +49,22 @@ run() {
   date -u +%FT%TZ
   echo "stage: $STAGE"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
-  python -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'triton', triton.__version__)"
-  python -c "import matplotlib, pytest_benchmark; print('matplotlib', matplotlib.__version__, 'pytest-benchmark', pytest_benchmark.__version__)"
+  "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'triton', triton.__version__)"
+  "$PY" -c "import matplotlib, pytest_benchmark; print('matplotlib', matplotlib.__version__, 'pytest-benchmark', pytest_benchmark.__version__)"
   echo "commit: ${FUSED_PREACT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-pytest_bench() {  # $1: time limit in seconds
+pytest_bench() {  # $1: time limit in seconds (skipped under 60: the call's 600 s would cut it anyway)
+  if [ "$1" -lt 60 ]; then echo "=== pytest-benchmark: skipped, only ${1}s left"; return 0; fi
   FUSED_PREACT_BENCH=${FUSED_PREACT_BENCH:-quick} run pytest-benchmark "$1" \
-    python -m pytest benchmarks --benchmark-only -q -p no:cacheprovider -p no:xdist \
+    "$PY" -m pytest benchmarks --benchmark-only -q -p no:cacheprovider -p no:xdist \
     --benchmark-json "$OUT/pytest_bench.json" --benchmark-columns=median,iqr,rounds --benchmark-sort=name \
     > "$OUT/pytest_bench.log" 2>&1
   tail -25 "$OUT/pytest_bench.log"
 }
 
-bench() {  # extra arguments for python -m fused_preact.bench; results into $OUT, then benchmarks/results
+bench() {  # extra arguments for "$PY" -m fused_preact.bench; results into $OUT, then benchmarks/results
   run bench "$@" > "$OUT/bench.log" 2>&1
   tail -60 "$OUT/bench.log"
   mkdir -p benchmarks/results && cp "$OUT"/*-20*.json "$OUT"/*-20*.md "$OUT"/*-20*.png benchmarks/results/ 2>/dev/null
@@ -67,9 +72,9 @@ bench() {  # extra arguments for python -m fused_preact.bench; results into $OUT
 
 case "$STAGE" in
   check)
-    run tests 240 python -m pytest tests -n 8 -q -p no:cacheprovider > "$OUT/tests.log" 2>&1
+    run tests 240 "$PY" -m pytest tests -n 8 -q -p no:cacheprovider > "$OUT/tests.log" 2>&1
     tail -15 "$OUT/tests.log"
-    run sanitizer 90 compute-sanitizer --tool memcheck --print-limit 20 python - > "$OUT/sanitizer.log" 2>&1 <<'PY'
+    run sanitizer 90 "$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)" --tool memcheck --print-limit 20 "$PY" - > "$OUT/sanitizer.log" 2>&1 <<'PYEOF'
 import torch
 from fused_preact import FusedBNReLUConv2d
 m = FusedBNReLUConv2d(24, 40, 3, stride=2, padding=1, backend="triton").cuda().to(torch.bfloat16)
@@ -77,21 +82,25 @@ x = torch.randn(3, 24, 13, 11, device="cuda", dtype=torch.bfloat16, requires_gra
 m(x).float().square().sum().backward()
 torch.cuda.synchronize()
 print("sanitized run done")
-PY
+PYEOF
     tail -3 "$OUT/sanitizer.log"
-    run main-job 120 python -m fused_preact --json "$OUT/main_job.json" > "$OUT/main_job.log" 2>&1
+    run main-job 120 "$PY" -m fused_preact --json "$OUT/main_job.json" > "$OUT/main_job.log" 2>&1
     grep -v "training:" "$OUT/main_job.log" | tail -12
-    pytest_bench $((570 - SECONDS > 60 ? 570 - SECONDS : 60))
+    pytest_bench $((540 - SECONDS))
     ;;
   bench)
+    # hard limit so that limit + 30 s of SIGKILL grace ends inside the call's 600 s; the benchmark's own
+    # budget (its clock starts after Python's imports) leaves ~70 s for a task that overruns its estimate
+    # and for the final report
+    limit=$((555 - SECONDS))
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
-    bench 560 python -m fused_preact.bench --out "$OUT" --time-limit 500 ${FUSED_PREACT_COMMIT:+--commit "$FUSED_PREACT_COMMIT"} ${BENCH_ARGS:-}
+    bench "$limit" "$PY" -m fused_preact.bench --out "$OUT" --time-limit $((limit - 70)) ${FUSED_PREACT_COMMIT:+--commit "$FUSED_PREACT_COMMIT"} ${BENCH_ARGS:-}
     ;;
   quick)
-    bench 200 python -m fused_preact.bench --quick --out "$OUT" ${FUSED_PREACT_COMMIT:+--commit "$FUSED_PREACT_COMMIT"}
+    bench 200 "$PY" -m fused_preact.bench --quick --out "$OUT" ${FUSED_PREACT_COMMIT:+--commit "$FUSED_PREACT_COMMIT"}
     ;;
   pytest)
-    pytest_bench 570
+    pytest_bench $((560 - SECONDS))
     ;;
   *)
     echo "unknown stage '$STAGE' (check, bench, quick, pytest)"

@@ -442,7 +442,7 @@ class _Run:
         unit = t.level == "unit"
         mod = (BT.unit_module if unit else BT.block_module)(t.provider, t.item, self.dtype)
         shape = (t.item.N, t.item.C, t.item.H, t.item.W) if unit else (t.item.N, t.item.in_planes, t.item.H, t.item.W)
-        h = BT.LayerHarness(mod, shape, self.dtype, self.peaks.l2_bytes)
+        h = BT.LayerHarness(mod, shape, self.dtype, self.peaks.l2_bytes, provider=t.provider)
         elem = torch.finfo(self.dtype).bits // 8
         out = []
         for mode in self.a.modes:

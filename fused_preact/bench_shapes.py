@@ -8,7 +8,8 @@ Cost model (per BN→ReLU→Conv unit; x: (N, C, H, W), W: (K, C/g, R, S), y: (N
 per element of the benchmark dtype):
 
 FLOPs (multiply-add = 2 FLOPs; the convolution's implicit GEMM only — BN and ReLU add O(|x|)
-elementwise work, under 1% of the smallest conv here, and run on different units)
+elementwise work: about 5/(2·K·R·S/stride²) of the conv's, a few percent for the 16→64 1×1 CIFAR
+units and well under 1% for the rest, on units other than the tensor cores)
     fwd      F = 2·N·P·Q·K·(C/g)·R·S
     bwd      2F (dgrad + wgrad, the same GEMM size each)
     fwd+bwd  3F
@@ -28,8 +29,10 @@ Floor: ``max(FLOPs / peak FLOP/s, bytes / peak B/s)`` with the peaks *measured* 
 as in the roofline model (Williams, Waterman, Patterson, CACM 52(4), 2009).
 
 A block's FLOPs, bytes and floor are the sums over its units (each intermediate activation feeds a
-BatchNorm whose statistics need the whole tensor, so it must reach memory once between units); the
-residual add's read of the shortcut is not counted (an upper bound on the floor's optimism: < 5%).
+BatchNorm whose statistics need the whole tensor, so it must reach memory once between units),
+except that a projection shortcut shares conv1's input: x is read once in forward, and read once
+and its gradient written once in backward, so the shortcut unit's |x| terms are not counted twice.
+The residual add's read of the shortcut is not counted (this keeps the floor a lower bound).
 """
 
 from __future__ import annotations
@@ -349,8 +352,13 @@ def block_flops(b: BlockShape, mode: str) -> int:
 
 
 def block_min_bytes(b: BlockShape, mode: str, elem_bytes: int) -> int:
-    """Minimum bytes of block ``b`` in ``mode``: the sum over its units (:func:`unit_min_bytes`)."""
-    return sum(unit_min_bytes(u, mode, elem_bytes) for u in b.units)
+    """Minimum bytes of block ``b`` in ``mode``: the sum over its units (:func:`unit_min_bytes`) less
+    the input terms a projection shortcut shares with conv1 (``e·|x|`` fwd, ``2e·|x|`` bwd, ``3e·|x|``
+    fwd+bwd per shortcut; module docstring)."""
+    _check_mode(mode)
+    shared = {"fwd": 1, "bwd": 2, "fwd+bwd": 3}[mode]
+    total = sum(unit_min_bytes(u, mode, elem_bytes) for u in b.units)
+    return total - sum(shared * elem_bytes * u.numel()[0] for u in b.units if u.name.endswith("/shortcut"))
 
 
 def floor_ms(flops: float, nbytes: float, peak_tflops: float, peak_gbps: float) -> float:

@@ -42,6 +42,8 @@ __all__ = [
     "configure_dynamo",
     "unit_module",
     "block_module",
+    "fused_backends",
+    "check_backend",
     "LayerHarness",
     "StepHarness",
 ]
@@ -206,8 +208,59 @@ def cuda_backend_reason(x: torch.Tensor) -> Optional[str]:
     return None
 
 
+def fused_backends(module: nn.Module) -> set:
+    """``last_backend`` of every fused module inside ``module`` (``None`` for one that never ran);
+    empty when ``module`` holds no fused module (eager and compiled twins)."""
+    return {m.last_backend for m in module.modules() if hasattr(m, "last_backend") and hasattr(m, "fallback_reason")}
+
+
+def check_backend(module: nn.Module, provider: str) -> str:
+    """After at least one forward: make sure ``module`` ran what ``provider`` promises and say what.
+
+    triton / cuda (and ``*-cudagraph`` of them): every fused module's ``last_backend`` is that backend
+    (the fused modules are forced to it, so a fallback would have raised; this catches a module
+    built with the wrong backend or never run). Other providers: no fused module at all.
+
+    Returns:
+        The backend that ran: ``"triton"``, ``"cuda"``, or ``"eager"`` for PyTorch's own ops.
+
+    Raises:
+        RuntimeError: the module did not run as the provider promises.
+    """
+    want = provider.split("-")[0]
+    ran = fused_backends(module)
+    if want in ("triton", "cuda"):
+        if ran != {want}:
+            reasons = {getattr(m, "fallback_reason", None) for m in module.modules() if hasattr(m, "fallback_reason")}
+            raise RuntimeError(f"provider {provider!r}: fused modules ran {sorted(map(str, ran)) or 'nothing'} "
+                               f"instead of only {want!r} (fallback reasons: {sorted(map(str, reasons))})")
+        return want
+    if ran:
+        raise RuntimeError(f"provider {provider!r} must run PyTorch's own ops but holds fused modules ({sorted(map(str, ran))})")
+    return "eager"
+
+
+def _forward_or_skip(fn: Callable[[], Any], provider: str) -> Any:
+    """``fn()``; for the opt-in ``cuda`` backend a forced-backend refusal (a shape its kernels do not
+    serve) becomes :class:`Skip` with the dispatcher's reason. Any other error propagates."""
+    try:
+        return fn()
+    except RuntimeError as e:
+        if provider.split("-")[0] == "cuda" and "cannot serve" in str(e):
+            raise Skip(str(e).splitlines()[0][:500]) from e
+        raise
+
+
 def _prepare(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    return module.to(device=DEVICE, dtype=dtype, memory_format=torch.channels_last).train()
+    """Move to CUDA, channels_last, training mode; weights in ``dtype`` but every BatchNorm's γ, β and
+    running statistics kept in float32 — the usual 16-bit training setup (as AMP keeps BN in fp32),
+    under which eager BatchNorm takes cuDNN's mixed-precision kernels rather than the slower native
+    all-bf16 path, so the eager baseline is the fast one."""
+    module = module.to(device=DEVICE, dtype=dtype, memory_format=torch.channels_last).train()
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.float()
+    return module
 
 
 def _probe(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -288,11 +341,15 @@ class LayerHarness:
     ``torch.autograd.grad`` returns fresh gradients, so no call pays for accumulating into ``.grad``.
     """
 
-    def __init__(self, module: nn.Module, x_shape: tuple, dtype: torch.dtype, l2_bytes: int, pool_cap: int = 16):
+    def __init__(self, module: nn.Module, x_shape: tuple, dtype: torch.dtype, l2_bytes: int, pool_cap: int = 16,
+                 provider: Optional[str] = None):
         self.module = module
+        self.provider = provider
         self.params = [p for p in module.parameters() if p.requires_grad]
         x0 = _randn(x_shape, dtype).requires_grad_()
-        y0 = module(x0)
+        y0 = _forward_or_skip(lambda: module(x0), provider or "")
+        #: what ran (``check_backend``), checked again after every measurement; None without a provider
+        self.backend = check_backend(module, provider) if provider else None
         self.out_shape = tuple(y0.shape)
         elem = x0.element_size()
         self.n = pool_count(elem * (x0.numel() + y0.numel()), l2_bytes, pool_cap)
@@ -322,7 +379,10 @@ class LayerHarness:
         """Time ``mode`` (:func:`time_cuda`) and measure one call's peak memory (:func:`peak_memory`)."""
         setup, run = self.fns(mode)
         times = time_cuda(run, setup, warmup=warmup, reps=reps, max_s=max_s)
-        return Measurement(times, peak_memory(run, setup), {"pool": self.n})
+        extra: dict[str, Any] = {"pool": self.n}
+        if self.provider:
+            extra["backend"] = check_backend(self.module, self.provider)
+        return Measurement(times, peak_memory(run, setup), extra)
 
 
 class StepHarness:
@@ -337,7 +397,9 @@ class StepHarness:
     is replay-safe; the batch is copied into the static input as untimed setup).
 
     The model runs in ``dtype`` (parameters too, no autocast), channels_last, from one seed, the
-    fused build loading the eager build's state_dict. ``peak_mem_bytes`` of a measurement is the
+    fused build loading the eager build's state_dict. A fused build takes one untimed step in the
+    constructor, after which (and after every measurement) :func:`check_backend` confirms that every
+    fused module ran the provider's backend; ``backend`` and each measurement's extra record it. ``peak_mem_bytes`` of a measurement is the
     memory a step needs beyond parameters, gradients, optimizer state and the batch (for the graph
     variants: what the capture allocated, gradients included).
 
@@ -353,9 +415,14 @@ class StepHarness:
             raise Skip("CUDA-graph capture is benchmarked for the 32×32 CIFAR nets only")
         backend = provider.split("-")[0]
         fused = backend in ("triton", "cuda")
+        self.provider = provider
         shape = (batch, 3, spec.image_size, spec.image_size)
         if backend == "cuda":
-            reason = cuda_backend_reason(_probe(shape, dtype))
+            # probe with the first block's input: the 3-channel image feeds the stem conv, not a fused unit
+            from fused_preact.bench_shapes import enumerate_blocks
+
+            first = enumerate_blocks(spec.name, batch)[0]
+            reason = cuda_backend_reason(_probe((first.N, first.in_planes, first.H, first.W), dtype))
             if reason:
                 raise Skip(reason)
         torch.manual_seed(0)
@@ -374,6 +441,10 @@ class StepHarness:
         self.ys = [torch.randint(0, spec.num_classes, (batch,), device=DEVICE) for _ in range(self.n)]
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.capture_peak: Optional[int] = None
+        self.backend: Optional[str] = None
+        if fused:  # one step first: a cuda-backend refusal becomes Skip, and the backend is checked up front
+            _forward_or_skip(lambda: self._step(self.xs[0], self.ys[0]), provider)
+            self.backend = check_backend(self.model, provider)
         if provider.endswith("-cudagraph"):
             self._capture(graph_warmup)
 
@@ -426,4 +497,5 @@ class StepHarness:
         loss = self.static_loss if self.graph is not None else self._step(self.xs[0], self.ys[0])
         if not torch.isfinite(loss).item():
             raise RuntimeError(f"training step produced a non-finite loss ({loss.item()})")
-        return Measurement(times, peak, {"pool": self.n})
+        self.backend = check_backend(self.model, self.provider)
+        return Measurement(times, peak, {"pool": self.n, "backend": self.backend})

@@ -116,9 +116,17 @@ def test_floor_cifar_1x1_is_memory_bound():
 
 
 def test_block_costs_sum_units():
-    b = enumerate_blocks("preact_resnet50", 128)[2]
+    blocks = enumerate_blocks("preact_resnet50", 128)
+    b = blocks[2]  # layer2.0: conv1 and the projection shortcut read the same x
+    assert b.units[-1].name.endswith("/shortcut")
     assert block_flops(b, "fwd+bwd") == sum(3 * unit_flops(u, "fwd") for u in b.units)
-    assert block_min_bytes(b, "fwd", 2) == sum(unit_min_bytes(u, "fwd", 2) for u in b.units)
+    x = 128 * 256 * 56 * 56  # |x| of the shared input, counted once: read (fwd), read + dx written (bwd)
+    for mode, shared in (("fwd", 1), ("bwd", 2), ("fwd+bwd", 3)):
+        assert block_min_bytes(b, mode, 2) == sum(unit_min_bytes(u, mode, 2) for u in b.units) - 2 * shared * x
+    plain = blocks[1]  # layer1.1: identity shortcut, a plain sum of its units
+    assert block_min_bytes(plain, "bwd", 2) == sum(unit_min_bytes(u, "bwd", 2) for u in plain.units)
+    with pytest.raises(ValueError):
+        block_min_bytes(b, "step", 2)
 
 
 def test_pool_count_and_dtype_names():
@@ -295,3 +303,44 @@ def test_unavailable_providers_skip_with_a_reason(host_harness):
         BT.StepHarness(bench.MODEL_SPECS["preact_resnet50"], "triton-cudagraph", 2, torch.float32, 50 << 20)
     with pytest.raises(ValueError):
         BT.unit_module("tensorrt", u, torch.bfloat16)
+    # the model-level probe uses the first block's input (16 channels), not the 3-channel image
+    with pytest.raises(BT.Skip) as skip:
+        BT.StepHarness(bench.MODEL_SPECS["preact_resnet164"], "cuda", 2, torch.bfloat16, 50 << 20)
+    assert "cuda" in str(skip.value) and "channels 3" not in str(skip.value)
+
+
+@pytest.fixture
+def native_device(monkeypatch):
+    """Harness device: CUDA where there is one, else CPU with Triton's interpreter (tests/conftest.py)."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(BT, "DEVICE", "cpu")
+    return BT.DEVICE
+
+
+def test_fused_provider_really_runs_the_fused_backend(native_device):
+    u = UnitShape("m", "m/l/c", 2, 8, 5, 5, 8, 3, 3, (1, 1), (1, 1))
+    mod = BT.unit_module("triton", u, torch.float32)
+    h = BT.LayerHarness(mod, (2, 8, 5, 5), torch.float32, l2_bytes=1 << 20, pool_cap=2, provider="triton")
+    assert h.backend == "triton" and BT.fused_backends(mod) == {"triton"}
+    wrong = BT.unit_module("triton", u, torch.float32)
+    wrong.backend = "reference"  # a fused module that does not run the promised backend
+    with pytest.raises(RuntimeError, match="instead of only 'triton'"):
+        BT.LayerHarness(wrong, (2, 8, 5, 5), torch.float32, l2_bytes=1 << 20, pool_cap=2, provider="triton")
+    eager = BT.unit_module("eager", u, torch.float32)
+    assert BT.LayerHarness(eager, (2, 8, 5, 5), torch.float32, 1 << 20, 2, provider="eager").backend == "eager"
+    with pytest.raises(RuntimeError, match="fused modules"):
+        BT.check_backend(mod, "eager")
+    with pytest.raises(RuntimeError, match=r"ran \['None'\]"):  # built but never run
+        BT.check_backend(BT.unit_module("triton", u, torch.float32), "triton")
+
+
+def test_step_harness_trains_and_records_what_ran(host_harness, monkeypatch):
+    for name in ("memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: None)
+    h = BT.StepHarness(bench.MODEL_SPECS["preact_resnet20"], "eager", 4, torch.float32, l2_bytes=1 << 20)
+    assert h.n == 4 and h.xs[0].is_contiguous(memory_format=torch.channels_last)
+    before = [p.detach().clone() for p in h.model.parameters()]
+    m = h.measure(warmup=1, reps=2, max_s=10.0)
+    assert len(m.times_ms) == 2 and m.extra == {"pool": 4, "backend": "eager"}
+    assert all(not torch.equal(a, b) for a, b in zip(before, h.model.parameters()))  # SGD stepped every weight
