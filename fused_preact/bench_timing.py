@@ -252,11 +252,13 @@ def _forward_or_skip(fn: Callable[[], Any], provider: str) -> Any:
 
 
 def _prepare(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Move to CUDA, channels_last, training mode; weights in ``dtype`` but every BatchNorm's γ, β and
-    running statistics kept in float32 — the usual 16-bit training setup (as AMP keeps BN in fp32),
+    """Move to CUDA, channels_last, training mode; weights in ``dtype``, but for a 16-bit ``dtype`` every
+    BatchNorm's γ, β and running statistics kept in float32 — the usual 16-bit training setup (as AMP keeps BN in fp32),
     under which eager BatchNorm takes cuDNN's mixed-precision kernels rather than the slower native
     all-bf16 path, so the eager baseline is the fast one."""
     module = module.to(device=DEVICE, dtype=dtype, memory_format=torch.channels_last).train()
+    if dtype not in (torch.float16, torch.bfloat16):
+        return module
     for m in module.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             m.float()
