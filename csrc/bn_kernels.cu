@@ -112,8 +112,8 @@ __global__ void stats_finalize_kernel(float const *__restrict__ partials, int ch
 // ---------------------------------------------------------------------------- BN backward
 template <typename T>
 __global__ void dgrad_reduce_kernel(float *__restrict__ da, T const *__restrict__ x,
-                                    float const *__restrict__ scale, T const *__restrict__ scale_op,
-                                    T const *__restrict__ shift_op, float const *__restrict__ mean,
+                                    float const *__restrict__ scale, float const *__restrict__ shift,
+                                    float const *__restrict__ mean,
                                     float const *__restrict__ invstd, int64_t M, int C, int64_t chunk_rows,
                                     bool write_dx, T *__restrict__ dx, float *__restrict__ partials) {
   __shared__ float s_dz[kThreadsM][kThreadsC];
@@ -123,15 +123,17 @@ __global__ void dgrad_reduce_kernel(float *__restrict__ da, T const *__restrict_
   int64_t const end = min(M, begin + chunk_rows);
   float sum_dz = 0.f, sum_dzx = 0.f;
   if (c < C) {
-    float const a_scale = Storage<T>::load(scale_op + c);
-    float const a_shift = Storage<T>::load(shift_op + c);
+    float const s = scale[c];
+    float const b = shift[c];
     float const mu = mean[c];
     float const rstd = invstd[c];
-    float const s = scale[c];
     for (int64_t r = begin + threadIdx.y; r < end; r += kThreadsM) {
       int64_t const at = r * C + c;
       float const xv = Storage<T>::load(x + at);
-      float const dz = fmaf(xv, a_scale, a_shift) > 0.f ? da[at] : 0.f;
+      // The mask of the specified function relu(x*scale + shift) with fp32 scale/shift (as the Triton
+      // backend and the float64 reference): not the 16-bit copies CUTLASS's fprop transform used,
+      // which would flip the mask wherever |x*scale + shift| is below their rounding error.
+      float const dz = fmaf(xv, s, b) > 0.f ? da[at] : 0.f;
       sum_dz += dz;
       sum_dzx += dz * ((xv - mu) * rstd);
       if (write_dx) {
@@ -207,13 +209,13 @@ char const *batch_stats_impl(void const *x, int64_t M, int C, float *partials, f
 }
 
 template <typename T>
-char const *dgrad_reduce_impl(float *da, void const *x, float const *scale, void const *scale_op,
-                              void const *shift_op, float const *mean, float const *invstd, int64_t M, int C,
+char const *dgrad_reduce_impl(float *da, void const *x, float const *scale, float const *shift,
+                              float const *mean, float const *invstd, int64_t M, int C,
                               bool write_dx, void *dx, float *partials, float *sum_dz, float *sum_dzx,
                               cudaStream_t stream) {
   dgrad_reduce_kernel<T><<<reduction_grid(M, C), dim3(kThreadsC, kThreadsM), 0, stream>>>(
-      da, static_cast<T const *>(x), scale, static_cast<T const *>(scale_op), static_cast<T const *>(shift_op),
-      mean, invstd, M, C, rows_per_chunk(M), write_dx, static_cast<T *>(dx), partials);
+      da, static_cast<T const *>(x), scale, shift, mean, invstd, M, C, rows_per_chunk(M), write_dx,
+      static_cast<T *>(dx), partials);
   sum_chunks_kernel<<<(C + kFinalizeThreads - 1) / kFinalizeThreads, kFinalizeThreads, 0, stream>>>(
       partials, reduction_chunks(M), C, sum_dz, sum_dzx);
   return launch_status();
@@ -249,19 +251,19 @@ char const *launch_batch_stats(DType dtype, void const *x, int64_t M, int C, flo
   return "batch_stats: unsupported dtype";
 }
 
-char const *launch_dgrad_reduce(DType dtype, float *da, void const *x, float const *scale, void const *scale_op,
-                                void const *shift_op, float const *mean, float const *invstd, int64_t M, int C,
+char const *launch_dgrad_reduce(DType dtype, float *da, void const *x, float const *scale, float const *shift,
+                                float const *mean, float const *invstd, int64_t M, int C,
                                 bool write_dx, void *dx, float *partials, float *sum_dz, float *sum_dzx,
                                 cudaStream_t stream) {
   switch (dtype) {
     case DType::kFloat16:
-      return dgrad_reduce_impl<__half>(da, x, scale, scale_op, shift_op, mean, invstd, M, C, write_dx, dx,
+      return dgrad_reduce_impl<__half>(da, x, scale, shift, mean, invstd, M, C, write_dx, dx,
                                        partials, sum_dz, sum_dzx, stream);
     case DType::kBFloat16:
-      return dgrad_reduce_impl<__nv_bfloat16>(da, x, scale, scale_op, shift_op, mean, invstd, M, C, write_dx,
+      return dgrad_reduce_impl<__nv_bfloat16>(da, x, scale, shift, mean, invstd, M, C, write_dx,
                                               dx, partials, sum_dz, sum_dzx, stream);
     case DType::kFloat32:
-      return dgrad_reduce_impl<float>(da, x, scale, scale_op, shift_op, mean, invstd, M, C, write_dx, dx,
+      return dgrad_reduce_impl<float>(da, x, scale, shift, mean, invstd, M, C, write_dx, dx,
                                       partials, sum_dz, sum_dzx, stream);
   }
   return "dgrad_reduce: unsupported dtype";

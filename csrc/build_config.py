@@ -71,6 +71,9 @@ def cuda_archs() -> list[str]:
             continue
         ptx = entry.endswith("+PTX")
         number = entry[: -len("+PTX")] if ptx else entry
+        # Architecture-specific variants ("9.0a", "10.0f") keep their suffix: sm_90a, compute_90a.
+        suffix = number[-1] if number[-1:] in ("a", "f") else ""
+        number = number[: len(number) - len(suffix)]
         try:
             major, minor = (int(v) for v in number.split(".")) if "." in number else divmod(int(number), 10)
         except ValueError:
@@ -78,7 +81,7 @@ def cuda_archs() -> list[str]:
         if major < 8:
             print(f"fused_preact: skipping CUDA architecture {entry} (< 8.0)", file=sys.stderr)
             continue
-        archs.append(f"{major}{minor}" + ("+PTX" if ptx else ""))
+        archs.append(f"{major}{minor}{suffix}" + ("+PTX" if ptx else ""))
     if not archs:
         raise ValueError(f"fused_preact: no CUDA architecture >= 8.0 in {spec!r}")
     return archs

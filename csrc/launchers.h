@@ -55,14 +55,13 @@ int reduction_chunks(int64_t M);
 const char* launch_batch_stats(DType dtype, const void* x, int64_t M, int C, float* partials,
                                float* mean, float* var, cudaStream_t stream);
 
-// dz = da*[x*scale_op + shift_op > 0] (the forward's mask, evaluated with the operand-dtype scale and
-// shift the fprop used), Σdz and Σdz·x̂ per channel with x̂ = (x - mean)*invstd.
+// dz = da*[x*scale + shift > 0] with the fp32 scale/shift (the specified function's ReLU mask, as the
+// Triton backend evaluates it), Σdz and Σdz·x̂ per channel with x̂ = (x - mean)*invstd.
 // write_dx == false: dz (fp32) overwrites da in place.  write_dx == true (eval): dx = scale*dz is
 // written to `dx` in `dtype` and da is left unchanged. `partials` holds 2*chunks*C floats.
-const char* launch_dgrad_reduce(DType dtype, float* da, const void* x, const float* scale,
-                                const void* scale_op, const void* shift_op, const float* mean,
-                                const float* invstd, int64_t M, int C, bool write_dx, void* dx,
-                                float* partials, float* sum_dz, float* sum_dzx, cudaStream_t stream);
+const char* launch_dgrad_reduce(DType dtype, float* da, const void* x, const float* scale, const float* shift,
+                                const float* mean, const float* invstd, int64_t M, int C, bool write_dx,
+                                void* dx, float* partials, float* sum_dz, float* sum_dzx, cudaStream_t stream);
 
 // dx = scale*(dz - Σdz/M - x̂·Σdz·x̂/M) in `dtype`.
 const char* launch_bn_dx(DType dtype, const float* dz, const void* x, const float* scale,

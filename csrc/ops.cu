@@ -99,8 +99,11 @@ void check_pair(at::IntArrayRef v, char const *name, char const *op) {
   TORCH_CHECK(v.size() == 2, op, ": ", name, " must have 2 entries, got ", v.size());
 }
 
+// Output extent as torch computes it (floor division); 0 when the dilated filter does not fit
+// (C++ division truncates toward zero, which would turn a numerator in (-stride, 0) into 1).
 int out_size(int64_t in, int64_t k, int64_t stride, int64_t pad, int64_t dilation) {
-  return int((in + 2 * pad - dilation * (k - 1) - 1) / stride + 1);
+  int64_t const span = in + 2 * pad - dilation * (k - 1) - 1;
+  return span < 0 ? 0 : int(span / stride + 1);
 }
 
 // Geometry from x (N, C, H, W) and a (K, C, R, S) weight size.
@@ -132,6 +135,7 @@ ConvGeometry geometry(at::Tensor const &x, at::IntArrayRef w, at::IntArrayRef st
   g.P = out_size(g.H, g.R, g.stride_h, g.pad_h, g.dilation_h);
   g.Q = out_size(g.W, g.S, g.stride_w, g.pad_w, g.dilation_w);
   TORCH_CHECK(g.P > 0 && g.Q > 0, op, ": output size ", g.P, "x", g.Q, " is empty");
+  TORCH_CHECK(g.C > 0 && g.K > 0 && g.R > 0 && g.S > 0, op, ": empty channel or filter extent");
   TORCH_CHECK(g.R <= 32 && g.S <= 32, op, ": filters larger than 32x32 are not supported");
   check_channels(g.C, "input channels C", op);
   check_channels(g.K, "output channels K", op);
@@ -197,6 +201,9 @@ at::Tensor cuda_fprop(at::Tensor const &x, at::Tensor const &weight, std::option
   }
   check_sm80(x, op);
   c10::cuda::CUDAGuard guard(x.device());
+  // CUTLASS's fused kernels do not check sizes themselves (unlike device::ImplicitGemmConvolution).
+  TORCH_CHECK(int64_t(g.N) * g.P * g.Q * g.K * int64_t(x.element_size()) < kMaxTensorBytes, op,
+              ": the output would exceed 2^31 bytes (CUTLASS's 32-bit tensor offsets)");
   at::Tensor y = empty_nhwc({g.N, g.K, g.P, g.Q}, x.options());
   if (y.numel() == 0) {
     return y;
@@ -238,8 +245,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_dgrad_stats(
   c10::cuda::CUDAGuard guard(x.device());
   auto const f32 = x.options().dtype(at::kFloat);
   int64_t const M = int64_t(g.N) * g.H * g.W;
+  TORCH_CHECK(M * g.C * 4 < kMaxTensorBytes, op, ": the fp32 dgrad output would exceed 2^31 bytes");
   at::Tensor da = empty_nhwc({g.N, g.C, g.H, g.W}, f32);
-  TORCH_CHECK(da.numel() * 4 < kMaxTensorBytes, op, ": the fp32 dgrad output would exceed 2^31 bytes");
   at::Tensor sum_dz = at::zeros({g.C}, f32);
   at::Tensor sum_dzx = at::zeros({g.C}, f32);
   if (M == 0) {
@@ -249,13 +256,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_dgrad_stats(
   DType const dtype = to_dtype(x.scalar_type());
   check_launch(launch_dgrad(dtype, g, grad_out.data_ptr(), weight.data_ptr(), da.data_ptr<float>(), stream), op,
                &g);
-  at::Tensor const scale_op = scale.to(x.scalar_type());
-  at::Tensor const shift_op = shift.to(x.scalar_type());
   at::Tensor partials = at::empty({2 * int64_t(reduction_chunks(M)) * g.C}, f32);
   at::Tensor out = batch_stats ? da : empty_nhwc({g.N, g.C, g.H, g.W}, x.options());
+  // The ReLU mask uses the fp32 scale/shift (see launchers.h), not the 16-bit copies of the fprop.
   check_launch(launch_dgrad_reduce(dtype, da.data_ptr<float>(), x.data_ptr(), scale.data_ptr<float>(),
-                                   scale_op.data_ptr(), shift_op.data_ptr(), mean.data_ptr<float>(),
-                                   invstd.data_ptr<float>(), M, g.C, !batch_stats, out.data_ptr(),
+                                   shift.data_ptr<float>(), mean.data_ptr<float>(), invstd.data_ptr<float>(), M,
+                                   g.C, !batch_stats, out.data_ptr(),
                                    partials.data_ptr<float>(), sum_dz.data_ptr<float>(), sum_dzx.data_ptr<float>(),
                                    stream),
                op);

@@ -130,6 +130,9 @@ def test_build_config_archs_and_gencode(monkeypatch):
     assert cfg.gencode_flags() == ["-gencode=arch=compute_86,code=sm_86", "-gencode=arch=compute_86,code=compute_86"]
     monkeypatch.setenv("FUSED_PREACT_CUDA_ARCHS", "9.0")
     assert cfg.cuda_archs() == ["90"]
+    monkeypatch.setenv("FUSED_PREACT_CUDA_ARCHS", "8.0 9.0a")
+    assert cfg.cuda_archs() == ["80", "90a"]
+    assert cfg.gencode_flags()[-1] == "-gencode=arch=compute_90a,code=sm_90a"
     monkeypatch.setenv("FUSED_PREACT_CUDA_ARCHS", "7.0")
     with pytest.raises(ValueError, match="no CUDA architecture >= 8.0"):
         cfg.cuda_archs()
@@ -155,11 +158,17 @@ def test_build_config_missing_cutlass_says_how_to_install(monkeypatch, tmp_path)
 
 # ------------------------------------------------------------------------------------ GPU tests
 def _require_gpu_backend():
+    """The glue with a loaded extension on an sm_80+ device, else skip; with
+    FUSED_PREACT_REQUIRE_CUDA_EXT=1 (a GPU session that built the extension) a missing extension fails
+    instead of skipping, so a broken build cannot pass as all-skipped."""
     cu = _cuda_glue()
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     if not cu.available():
-        pytest.skip(f"fused_preact._C not built: {cu.load_error()}")
+        message = f"fused_preact._C not built: {cu.load_error()}"
+        if os.environ.get("FUSED_PREACT_REQUIRE_CUDA_EXT") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("needs compute capability >= 8.0")
     return cu
@@ -234,6 +243,30 @@ def test_fprop_backward_match_float64(dtype, shape, training, channels_last):
     assert_close(dw, wd.grad, dtype, "dw")
     assert_close(db, bd.grad, dtype, "db")
     assert_close(dgamma, gd.grad, dtype, "dgamma")
+    assert_close(dbeta, betad.grad, dtype, "dbeta")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 16, 9, 9, 16, 3, 3, 1, 1, 1), (2, 16, 9, 9, 16, 3, 3, 2, 2, 1)])
+def test_padding_is_a_zero_activation_not_relu_shift(dtype, shape):
+    """β = +2 makes relu(shift) ≈ 2 on every channel: CUTLASS's out-of-bounds sentinel must zero the padded
+    activations after the transform in fprop (operand A) and wgrad (operand B), also in the bf16 transform."""
+    cu = _require_gpu_backend()
+    x, w, b, gamma, beta, rm, rv, conv = _problem(shape, dtype, True, seed=3)
+    beta = torch.full_like(beta, 2.0)
+    st, pd, dl = conv
+    mean, var = cu.batch_stats(x)
+    invstd = torch.rsqrt(var + 1e-5)
+    y = cu.fprop(x, w, None, mean, invstd, gamma, beta, st, pd, dl, 1)
+    y_ref, (xd, wd, _, gd, betad) = _reference(x, w, torch.zeros_like(b), gamma, beta, rm, rv, True, conv)
+    assert_close(y, y_ref, dtype, "y")
+    dy = randn(*y.shape, dtype=dtype, device="cuda", channels_last=True, generator=torch.Generator().manual_seed(4))
+    y_ref.backward(dy.double())
+    dx, dw, db, dgamma, dbeta = cu.backward(dy, x, w, mean, invstd, gamma, beta, st, pd, dl, 1, True, False)
+    assert db.numel() == 0
+    assert_close(dw, wd.grad, dtype, "dw")
+    assert_close(dx, xd.grad, dtype, "dx")
     assert_close(dbeta, betad.grad, dtype, "dbeta")
 
 
