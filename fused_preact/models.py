@@ -20,7 +20,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fused_preact.modules import FusedPreActBlock, FusedPreActBottleneck, build_basic_layers, build_bottleneck_layers
+from fused_preact.modules import (
+    FusedPreActBlock,
+    FusedPreActBottleneck,
+    build_basic_layers,
+    build_bottleneck_layers,
+    run_blocks,
+)
 
 __all__ = [
     "PreActBlock",
@@ -135,8 +141,15 @@ class PreActResNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
-        for i in range(self.num_stages):
-            x = getattr(self, f"layer{i + 1}")(x)
+        # All stages as one chain of blocks: each fused block's last conv computes the next block's
+        # bn1 statistics in its epilogue (fused_preact.modules.run_blocks). Stages with hooks run as
+        # plain Sequentials.
+        stages = [getattr(self, f"layer{i + 1}") for i in range(self.num_stages)]
+        if any(s._forward_hooks or s._forward_pre_hooks for s in stages):
+            for stage in stages:
+                x = stage(x)
+        else:
+            x = run_blocks([blk for stage in stages for blk in stage], x)
         x = F.relu(self.bn(x))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 

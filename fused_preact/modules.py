@@ -22,10 +22,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fused_preact.dispatch import select_backend
-from fused_preact.ops import bn_relu_conv2d_with_stats, bn_statistics, check_inputs, check_training_batch
+from fused_preact.ops import (
+    bn_relu_conv2d_with_stats,
+    bn_relu_conv2d_with_stats_out,
+    bn_statistics,
+    check_inputs,
+    check_training_batch,
+)
 from fused_preact.ops.sync_stats import sync_bn_statistics, sync_enabled
 
-__all__ = ["FusedBNReLUConv2d", "FusedPreActBlock", "FusedPreActBottleneck", "bottleneck_width", "convert_sync_batchnorm", "fused_bn_relu_convs"]
+__all__ = ["FusedBNReLUConv2d", "FusedPreActBlock", "FusedPreActBottleneck", "bottleneck_width", "convert_sync_batchnorm", "fused_bn_relu_convs",
+           "fused_bn_relu_convs_chained", "run_blocks"]
 
 logger = logging.getLogger("fused_preact")
 
@@ -97,6 +104,39 @@ def fused_bn_relu_convs(owner: nn.Module, x: torch.Tensor, bn: nn.BatchNorm2d, c
         ValueError / RuntimeError: bad input rank or channel count, one value per channel in
             training, or a forced backend that cannot serve the input.
     """
+    return fused_bn_relu_convs_chained(owner, x, bn, convs)[0]
+
+
+def _needs_batch_stats(bn: nn.BatchNorm2d) -> bool:
+    """Whether ``bn``'s forward will normalize with batch statistics (``F.batch_norm``'s rule)."""
+    return bn.training or (bn.running_mean is None and bn.running_var is None)
+
+
+def fused_bn_relu_convs_chained(
+    owner: nn.Module,
+    x: torch.Tensor,
+    bn: nn.BatchNorm2d,
+    convs: list[nn.Conv2d],
+    batch_mean_var: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    residual: Optional[torch.Tensor] = None,
+    want_stats: bool = False,
+) -> tuple[list[torch.Tensor], Optional[tuple[torch.Tensor, torch.Tensor]]]:
+    """:func:`fused_bn_relu_convs` with the epilogue fusions of a residual block.
+
+    Args:
+        owner, x, bn, convs: as :func:`fused_bn_relu_convs`.
+        batch_mean_var: ``x``'s per-channel (mean, biased var), fp32, already computed by the
+            producer's epilogue; used instead of a statistics pass when this BN normalizes with batch
+            statistics on the non-synchronized Triton path (ignored otherwise).
+        residual: added to ``convs[0]``'s output — in its epilogue on the Triton path when the dtypes
+            agree and autocast is off, otherwise by a separate add.
+        want_stats: also return the (mean, var) of ``convs[0]``'s output (plus residual) from its
+            epilogue, for the BatchNorm that reads it next; only the Triton path provides them.
+
+    Returns:
+        ``(outputs, stats)``: the conv outputs in order, and the (K,) fp32 (mean, var) of
+        ``outputs[0]`` or ``None`` when they were not asked for or this path cannot provide them.
+    """
     _validate(x, bn, convs)
     requested = owner.backend
     conv_reasons = [r for c in convs for r in _conv_reasons(c)]
@@ -117,18 +157,35 @@ def fused_bn_relu_convs(owner: nn.Module, x: torch.Tensor, bn: nn.BatchNorm2d, c
             if bn.weight is not None:
                 a = a * bn.weight.float().view(shape) + bn.bias.float().view(shape)
             a = F.relu(a).to(x.dtype)
-            return [conv(a) for conv in convs]
+            return _add_residual([conv(a) for conv in convs], residual), None
     elif choice.name == "reference":
         a = F.relu(F.batch_norm(x, running_mean, running_var, bn.weight, bn.bias, bn_training, eaf, bn.eps))
-        return [conv(a) for conv in convs]
+        return _add_residual([conv(a) for conv in convs], residual), None
     else:
-        stats = bn_statistics(x, running_mean, running_var, bn_training, eaf, bn.eps)
-    return [
-        bn_relu_conv2d_with_stats(
-            x, stats, c.weight, c.bias, bn.weight, bn.bias, c.stride, c.padding, c.dilation, c.groups, choice.name
-        )
-        for c in convs
-    ]
+        given = batch_mean_var if bn_training and choice.name == "triton" else None
+        stats = bn_statistics(x, running_mean, running_var, bn_training, eaf, bn.eps, batch_mean_var=given)
+    epilogue_res = (
+        residual is not None and residual.dtype == x.dtype and not torch.is_autocast_enabled(x.device.type)
+    )
+    outs, out_stats = [], None
+    for i, c in enumerate(convs):
+        conv_args = (c.weight, c.bias, bn.weight, bn.bias, c.stride, c.padding, c.dilation, c.groups)
+        if i == 0 and choice.name == "triton" and (want_stats or epilogue_res):
+            y, y_mean, y_var = bn_relu_conv2d_with_stats_out(
+                x, stats, *conv_args, residual=residual if epilogue_res else None
+            )
+            out_stats = (y_mean, y_var) if want_stats and (epilogue_res or residual is None) else None
+            outs.append(y if epilogue_res or residual is None else y + residual)
+        else:
+            y = bn_relu_conv2d_with_stats(x, stats, *conv_args, choice.name)
+            outs.append(y + residual if i == 0 and residual is not None else y)
+    return outs, out_stats
+
+
+def _add_residual(outs: list[torch.Tensor], residual: Optional[torch.Tensor]) -> list[torch.Tensor]:
+    if residual is not None:
+        outs[0] = outs[0] + residual
+    return outs
 
 
 def _record(owner: nn.Module, name: str, reason: Optional[str], x: torch.Tensor) -> None:
@@ -207,6 +264,57 @@ def build_bottleneck_layers(block: nn.Module, in_planes: int, planes: int, strid
         nn.Conv2d(in_planes, out_planes, 1, stride, bias=False, **factory) if stride != 1 or in_planes != out_planes
         else None
     )
+
+
+def _block_forward(block: nn.Module, x: torch.Tensor, units: list[tuple[nn.BatchNorm2d, nn.Conv2d]],
+                   x_stats: Optional[tuple[torch.Tensor, torch.Tensor]] = None, want_stats: bool = False):
+    """A pre-activation block ``x + conv_n(…relu(bn_1(x))…)`` (shortcut: ``block.shortcut`` on the
+    pre-activation, or the raw x). Each conv's epilogue computes the statistics of the next BN's
+    input (when that BN uses batch statistics), and the last conv's epilogue adds the shortcut.
+
+    ``x_stats``: x's (mean, var) from the previous block's epilogue, or None. Returns the output
+    and, with ``want_stats``, its (mean, var) (None where the path cannot provide them)."""
+    first_bn, first_conv = units[0]
+    convs = [first_conv] + ([block.shortcut] if block.shortcut is not None else [])
+    outs, stats = fused_bn_relu_convs_chained(
+        block, x, first_bn, convs, batch_mean_var=x_stats, want_stats=_needs_batch_stats(units[1][0])
+    )
+    out, sc = outs[0], (outs[1] if block.shortcut is not None else x)
+    for i, (bn, conv) in enumerate(units[1:], start=1):
+        last = i == len(units) - 1
+        want = want_stats if last else _needs_batch_stats(units[i + 1][0])
+        (out,), stats = fused_bn_relu_convs_chained(
+            block, out, bn, [conv], batch_mean_var=stats, residual=sc if last else None, want_stats=want
+        )
+    return out, stats
+
+
+def run_blocks(blocks: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """Run consecutive residual blocks, handing each fused block's output statistics to the next.
+
+    When a fused block is followed by another fused block whose bn1 normalizes with batch
+    statistics, the last conv's epilogue of the first computes them (together with the residual
+    add), so the second runs no statistics pass over its input. Blocks that are not fused, or that
+    carry forward hooks (which must see a plain ``block(x)`` call), are called normally and break
+    the chain. Same result as ``for b in blocks: x = b(x)``.
+
+    Args:
+        blocks: modules mapping (N, C, H, W) → (N, C', H', W'), e.g. a stage's ``nn.Sequential``.
+        x: the first block's input.
+    """
+    hooked = bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+    chained = [
+        isinstance(b, (FusedPreActBlock, FusedPreActBottleneck)) and not (hooked or b._forward_hooks or b._forward_pre_hooks)
+        for b in blocks
+    ]
+    stats = None
+    for i, blk in enumerate(blocks):
+        if not chained[i]:
+            x, stats = blk(x), None
+            continue
+        want = i + 1 < len(blocks) and chained[i + 1] and _needs_batch_stats(blocks[i + 1].bn1)
+        x, stats = _block_forward(blk, x, blk._units(), stats, want)
+    return x
 
 
 class FusedBNReLUConv2d(_FusedBase):
@@ -292,12 +400,11 @@ class FusedPreActBlock(_FusedBase):
         super().__init__(backend)
         build_basic_layers(self, in_planes, planes, stride, eps, momentum, device=device, dtype=dtype)
 
+    def _units(self) -> list[tuple[nn.BatchNorm2d, nn.Conv2d]]:
+        return [(self.bn1, self.conv1), (self.bn2, self.conv2)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.shortcut is not None:
-            out, sc = fused_bn_relu_convs(self, x, self.bn1, [self.conv1, self.shortcut])
-        else:
-            out, sc = fused_bn_relu_convs(self, x, self.bn1, [self.conv1])[0], x
-        return fused_bn_relu_convs(self, out, self.bn2, [self.conv2])[0] + sc
+        return _block_forward(self, x, self._units())[0]
 
 
 class FusedPreActBottleneck(_FusedBase):
@@ -322,13 +429,11 @@ class FusedPreActBottleneck(_FusedBase):
         build_bottleneck_layers(self, in_planes, planes, stride, eps, momentum, groups, base_width,
                                 device=device, dtype=dtype)
 
+    def _units(self) -> list[tuple[nn.BatchNorm2d, nn.Conv2d]]:
+        return [(self.bn1, self.conv1), (self.bn2, self.conv2), (self.bn3, self.conv3)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.shortcut is not None:
-            out, sc = fused_bn_relu_convs(self, x, self.bn1, [self.conv1, self.shortcut])
-        else:
-            out, sc = fused_bn_relu_convs(self, x, self.bn1, [self.conv1])[0], x
-        out = fused_bn_relu_convs(self, out, self.bn2, [self.conv2])[0]
-        return fused_bn_relu_convs(self, out, self.bn3, [self.conv3])[0] + sc
+        return _block_forward(self, x, self._units())[0]
 
 
 def convert_sync_batchnorm(model: nn.Module, process_group=None) -> nn.Module:

@@ -152,3 +152,48 @@ def test_error_bounds_are_not_vacuous():
     ref = eager.double()(x)
     bad = nn.Sequential(eager[0], nn.LeakyReLU(0.1), eager[2])(x)
     assert rel_err(bad, ref) > TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("cls,planes", [(FusedPreActBlock, 6), (FusedPreActBottleneck, 3)])
+def test_block_statistics_come_from_the_producing_epilogue(cls, planes, train, monkeypatch):
+    """Inside a block only bn1 runs a statistics pass; bn2 (and bn3) take their batch statistics
+    from the epilogue of the conv that produced their input, and the last conv's epilogue adds the
+    shortcut. In eval mode no statistics are computed at all."""
+    import fused_preact.ops.bn_relu_conv as op_module
+
+    calls = []
+    real = op_module.batch_stats
+    monkeypatch.setattr(op_module, "batch_stats", lambda x: calls.append(tuple(x.shape)) or real(x))
+    torch.manual_seed(0)
+    block = cls(6, planes, 1, backend="triton").to(DEVICE).train(train)
+    _randomize_bn(block)
+    eager = (PreActBlock if cls is FusedPreActBlock else PreActBottleneck)(6, planes, 1)
+    eager.load_state_dict(block.state_dict())
+    _compare(block, eager.double().train(train), torch.randn(2, 6, 7, 6) + 0.3, train, steps=1)
+    assert calls == ([(2, 6, 7, 6)] if train else [])
+
+
+def test_model_chains_statistics_across_blocks(monkeypatch):
+    """In a fused PreActResNet only the first block's bn1 runs a statistics pass: every later BN's
+    batch statistics come from the epilogue of the conv that produced its input (across blocks and
+    stages), and a forward hook on a block makes that block run as a plain call (hooks see it)."""
+    import fused_preact.ops.bn_relu_conv as op_module
+    from fused_preact.models import preact_resnet_cifar
+
+    calls = []
+    real = op_module.batch_stats
+    monkeypatch.setattr(op_module, "batch_stats", lambda x: calls.append(tuple(x.shape)) or real(x))
+    torch.manual_seed(0)
+    model = preact_resnet_cifar(14, fused=True, backend="triton").to(DEVICE)
+    eager = preact_resnet_cifar(14, fused=False)
+    eager.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 8, 8)
+    assert_close(model(x.to(DEVICE)), eager.double()(x.double()), torch.float32, "chained model")
+    assert calls == [(2, 16, 8, 8)]
+    seen = []
+    model.layer2[0].register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    calls.clear()
+    model(x.to(DEVICE))
+    # the hooked block and the one after it compute their own bn1 statistics
+    assert seen == [torch.Size([2, 32, 4, 4])] and calls == [(2, 16, 8, 8), (2, 16, 8, 8), (2, 32, 4, 4)]

@@ -43,3 +43,15 @@ def test_bn_relu_conv2d_backward():
 
 def test_batch_stats():
     opcheck(OPS.batch_stats.default, (torch.randn(3, 5, 4, 6, device=DEVICE),))
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_bn_relu_conv2d_stats(channels_last, residual):
+    x, w, b, mean, invstd, gamma, beta, stride, padding, dilation, groups, batch_stats, backend = _args(
+        channels_last, True, bias=residual
+    )
+    y = OPS.bn_relu_conv2d(x, w, b, mean, invstd, gamma, beta, stride, padding, dilation, groups, True, backend)
+    r = torch.randn(y.shape, device=DEVICE, requires_grad=True) if residual else None
+    opcheck(OPS.bn_relu_conv2d_stats.default,
+            (x, w, b, mean, invstd, gamma, beta, r, stride, padding, dilation, groups, batch_stats, backend))

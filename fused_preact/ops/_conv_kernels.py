@@ -19,14 +19,20 @@ from fused_preact.ops._common import tl, triton
 
 @triton.jit
 def _fprop_kernel(
-    x_ptr, w_ptr, bias_ptr, scale_ptr, shift_ptr, y_ptr,
+    x_ptr, w_ptr, bias_ptr, scale_ptr, shift_ptr, y_ptr, res_ptr, part_mean_ptr, part_m2_ptr,
     N, H, W, C, P, Q, K, Cg, Kg,
     stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-    R: tl.constexpr, S: tl.constexpr, HAS_BIAS: tl.constexpr,
+    R: tl.constexpr, S: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, STATS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """y[m, k] = Σ_{r,s,c} relu(x[pix(m,r,s), c]·scale[c] + shift[c]) · w_f[r, s, c, k] (+ bias[k])."""
+    """y[m, k] = Σ_{r,s,c} relu(x[pix(m,r,s), c]·scale[c] + shift[c]) · w_f[r, s, c, k] (+ bias[k]) (+ res[m, k]).
+
+    Epilogue options: HAS_RES adds a residual tensor of y's shape (the block's shortcut); STATS
+    writes the tile's per-channel mean and M2 of the stored (rounded) y into row ``pid_m`` of the
+    (num_m_tiles, K) fp32 buffers — the partial BN statistics of the *next* BatchNorm, so no separate
+    statistics pass has to read y again (combined by ``stats._stats_combine_kernel``).
+    """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.program_id(2)
@@ -65,7 +71,22 @@ def _fprop_kernel(
         b = tl.load(bias_ptr + k_out, mask=n_mask, other=0.0).to(tl.float32)
         acc += b[None, :]
     y_offs = offs_m.to(tl.int64)[:, None] * K + k_out[None, :]
-    tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    if HAS_RES:
+        acc += tl.load(res_ptr + y_offs, mask=y_mask, other=0.0).to(tl.float32)
+    yv = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + y_offs, yv, mask=y_mask)
+    if STATS:
+        # Corrected two-pass over the tile's valid rows (as stats._stats_partial_kernel).
+        v = tl.where(y_mask, yv.to(tl.float32), 0.0)
+        count = tl.minimum(N * P * Q - pid_m * BLOCK_M, BLOCK_M).to(tl.float32)
+        mean0 = tl.sum(v, axis=0) / count
+        d = tl.where(y_mask, v - mean0[None, :], 0.0)
+        s1 = tl.sum(d, axis=0)
+        m2 = tl.maximum(tl.sum(d * d, axis=0) - s1 * s1 / count, 0.0)
+        part = pid_m.to(tl.int64) * K + k_out
+        tl.store(part_mean_ptr + part, mean0 + s1 / count, mask=n_mask)
+        tl.store(part_m2_ptr + part, m2, mask=n_mask)
 
 
 @triton.jit

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from fused_preact.ops import _conv_kernels as K_
 from fused_preact.ops._common import as_nhwc, conv_out_size, dot_dtype, input_precision, interpreting, triton, wants_channels_last
-from fused_preact.ops.stats import batch_stats
+from fused_preact.ops.stats import batch_stats, combine_partials
 
 __all__ = [
     "BNStats",
@@ -36,6 +36,7 @@ __all__ = [
     "bn_statistics",
     "bn_relu_conv2d",
     "bn_relu_conv2d_with_stats",
+    "bn_relu_conv2d_with_stats_out",
     "bn_relu_conv2d_reference",
 ]
 
@@ -83,24 +84,42 @@ def _to_input_format(t_nhwc: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t if wants_channels_last(like) else t.contiguous()
 
 
-def _fprop_triton(x, weight, bias, mean, invstd, gamma, beta, stride, padding, dilation, groups):
+def _fprop_triton(x, weight, bias, mean, invstd, gamma, beta, stride, padding, dilation, groups,
+                  residual=None, want_stats=False):
+    """Fused fprop. Returns y, or ``(y, y_mean, y_var)`` with ``want_stats`` (fp32 (K,) statistics
+    of the stored y from the epilogue); ``residual`` (y's shape) is added in the epilogue."""
     N, C, H, W, Kout, Cg, R, S, P, Q = _geometry(x, weight, stride, padding, dilation)
     Kg = Kout // groups
     y = torch.empty(N, P, Q, Kout, device=x.device, dtype=x.dtype)
     if y.numel() == 0:
-        return _to_input_format(y, x)
+        y = _to_input_format(y, x)
+        return (y, *_empty_stats(Kout, x.device)) if want_stats else y
     scale, shift = _scale_shift(mean, invstd, gamma, beta)
     w_f = weight.permute(2, 3, 1, 0).contiguous()
-    cfg = _gemm_blocks(N * P * Q, Kg, Cg, x.dtype)
-    grid = (triton.cdiv(N * P * Q, cfg["BLOCK_M"]), triton.cdiv(Kg, cfg["BLOCK_N"]), groups)
+    M = N * P * Q
+    cfg = _gemm_blocks(M, Kg, Cg, x.dtype)
+    if want_stats and interpreting():
+        cfg["BLOCK_M"] = min(cfg["BLOCK_M"], 256)  # short tiles keep the interpreter's fp32 sums accurate
+    m_tiles = triton.cdiv(M, cfg["BLOCK_M"])
+    part_mean = torch.empty(m_tiles if want_stats else 0, Kout, device=x.device, dtype=torch.float32)
+    part_m2 = torch.empty_like(part_mean)
+    res = as_nhwc(residual.to(x.dtype)) if residual is not None else y
+    grid = (m_tiles, triton.cdiv(Kg, cfg["BLOCK_N"]), groups)
     K_._fprop_kernel[grid](
-        as_nhwc(x), w_f, bias if bias is not None else w_f, scale, shift, y,
+        as_nhwc(x), w_f, bias if bias is not None else w_f, scale, shift, y, res, part_mean, part_m2,
         N, H, W, C, P, Q, Kout, Cg, Kg,
         stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1],
-        R=R, S=S, HAS_BIAS=bias is not None,
+        R=R, S=S, HAS_BIAS=bias is not None, HAS_RES=residual is not None, STATS=want_stats,
         DOT_DTYPE=dot_dtype(x.dtype), INPUT_PRECISION=input_precision(x.dtype), **cfg,
     )
-    return _to_input_format(y, x)
+    y = _to_input_format(y, x)
+    if not want_stats:
+        return y
+    return (y, *combine_partials(part_mean, part_m2, M, cfg["BLOCK_M"]))
+
+
+def _empty_stats(C: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(C, device=device, dtype=torch.float32), torch.ones(C, device=device, dtype=torch.float32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -296,12 +315,55 @@ def _backward(ctx, grad_out):
 torch.library.register_autograd("fused_preact::bn_relu_conv2d", _backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("fused_preact::bn_relu_conv2d_stats", mutates_args=(), device_types=("cpu", "cuda"))
+def _bn_relu_conv2d_stats_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], mean: torch.Tensor, invstd: torch.Tensor,
+    gamma: Optional[torch.Tensor], beta: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+    stride: list[int], padding: list[int], dilation: list[int], groups: int, batch_stats: bool, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if backend != "triton":
+        raise ValueError(f"fused_preact::bn_relu_conv2d_stats: backend {backend!r} has no statistics epilogue; expected 'triton'")
+    return _fprop_triton(x, weight, bias, mean, invstd, gamma, beta, stride, padding, dilation, groups,
+                         residual=residual, want_stats=True)
+
+
+@_bn_relu_conv2d_stats_op.register_fake
+def _(x, weight, bias, mean, invstd, gamma, beta, residual, stride, padding, dilation, groups, batch_stats, backend):
+    K = weight.shape[0]
+    N, _, H, W = x.shape
+    P = conv_out_size(H, weight.shape[2], stride[0], padding[0], dilation[0])
+    Q = conv_out_size(W, weight.shape[3], stride[1], padding[1], dilation[1])
+    fmt = torch.channels_last if wants_channels_last(x) else torch.contiguous_format
+    out = torch.empty((N, K, P, Q), dtype=x.dtype, device=x.device, memory_format=fmt)
+    return out, x.new_empty(K, dtype=torch.float32), x.new_empty(K, dtype=torch.float32)
+
+
+def _setup_context_stats(ctx, inputs, output):
+    x, weight, bias, mean, invstd, gamma, beta, residual, stride, padding, dilation, groups, batch_stats_mode, backend = inputs
+    _setup_context(ctx, (x, weight, bias, mean, invstd, gamma, beta, stride, padding, dilation, groups,
+                         batch_stats_mode, backend), output[0])
+    ctx.has_residual = residual is not None
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _backward_stats(ctx, grad_out, _grad_mean, _grad_var):
+    """As the plain op's backward; the residual's gradient is the output's (``y = conv + residual``).
+    The epilogue statistics are non-differentiable: their consumer's backward carries their terms."""
+    grads = _backward(ctx, grad_out)
+    return (*grads[:7], grad_out if ctx.has_residual else None, *grads[7:])
+
+
+torch.library.register_autograd(
+    "fused_preact::bn_relu_conv2d_stats", _backward_stats, setup_context=_setup_context_stats
+)
+
+
 # ------------------------------------------------------------------------------------- autocast
 _AUTOCAST_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _register_autocast(device_type: str) -> None:
-    """Autocast rule for ``fused_preact::bn_relu_conv2d``: the conv runs in the autocast dtype.
+def _register_autocast(name: str, device_type: str) -> None:
+    """Autocast rule for ``fused_preact::<name>`` (the fused convs): the conv runs in the autocast dtype.
 
     x, the conv weight and bias are cast to ``torch.get_autocast_dtype(device_type)`` (float64 is
     left alone, as autocast does); mean/invstd stay fp32 and γ/β keep their dtype, so the
@@ -310,7 +372,7 @@ def _register_autocast(device_type: str) -> None:
     back in the inputs' own dtypes (as for ``F.conv2d`` under autocast).
     """
     key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
-    op = torch.ops.fused_preact.bn_relu_conv2d.default
+    op = getattr(torch.ops.fused_preact, name).default
 
     def cast(t, dtype):
         return t.to(dtype) if t is not None and t.dtype in _AUTOCAST_CASTABLE else t
@@ -323,12 +385,13 @@ def _register_autocast(device_type: str) -> None:
     if op.has_kernel_for_dispatch_key(key):
         op.py_kernels.pop(key, None)
     op.py_impl(key)(rule)  # used when the op is traced through the Python dispatcher (torch.compile)
-    _LIB.impl("bn_relu_conv2d", lambda _keyset, *args: rule(*args), key.name, with_keyset=True)
+    _LIB.impl(name, lambda _keyset, *args: rule(*args), key.name, with_keyset=True)
 
 
 _LIB = torch.library.Library("fused_preact", "FRAGMENT")
-for _device_type in ("cpu", "cuda"):
-    _register_autocast(_device_type)
+for _name in ("bn_relu_conv2d", "bn_relu_conv2d_stats"):
+    for _device_type in ("cpu", "cuda"):
+        _register_autocast(_name, _device_type)
 
 
 # ------------------------------------------------------------------------------------ functional
@@ -421,6 +484,7 @@ def bn_statistics(
     training: bool,
     momentum: float = 0.1,
     eps: float = 1e-5,
+    batch_mean_var: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> BNStats:
     """BN statistics with ``F.batch_norm``'s semantics, computed by the Triton statistics kernels.
 
@@ -432,6 +496,8 @@ def bn_statistics(
         momentum: the exponential-average factor (the caller resolves ``momentum=None`` to
             ``1/num_batches_tracked``, as ``nn.BatchNorm2d`` does).
         eps: added to the variance.
+        batch_mean_var: the batch's (mean, biased var), fp32 (C,), when a producer's epilogue already
+            computed them (:func:`bn_relu_conv2d_with_stats_out`); training only.
 
     Returns:
         :class:`BNStats` with fp32 (C,) vectors.
@@ -446,7 +512,7 @@ def bn_statistics(
         if count == 0:  # empty batch: PyTorch returns an empty output and leaves running stats alone
             ones = torch.ones(x.shape[1], device=x.device, dtype=torch.float32)
             return BNStats(torch.zeros_like(ones), ones, True)
-        mean, var = batch_stats(x)
+        mean, var = batch_mean_var if batch_mean_var is not None else batch_stats(x)
         if running_mean is not None and running_var is not None:
             with torch.no_grad():
                 running_mean.lerp_(mean.to(running_mean.dtype), momentum)
@@ -494,6 +560,45 @@ def bn_relu_conv2d_with_stats(
         x, weight, bias, stats.mean, stats.invstd, bn_weight, bn_bias,
         _pair(stride, "stride"), _pair(padding, "padding"), _pair(dilation, "dilation"), groups, stats.batch_stats, backend,
     )
+
+
+def bn_relu_conv2d_with_stats_out(
+    x: torch.Tensor,
+    stats: BNStats,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    bn_weight: Optional[torch.Tensor] = None,
+    bn_bias: Optional[torch.Tensor] = None,
+    stride: _IntOr2 = 1,
+    padding: _IntOr2 = 0,
+    dilation: _IntOr2 = 1,
+    groups: int = 1,
+    residual: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`bn_relu_conv2d_with_stats` (Triton backend) whose epilogue also adds ``residual`` and
+    returns the batch statistics of its own output — the next BatchNorm's input — so that BN needs no
+    statistics pass over it.
+
+    Args:
+        x, stats, weight, bias, bn_weight, bn_bias, stride, padding, dilation, groups: as
+            :func:`bn_relu_conv2d_with_stats`.
+        residual: None or a tensor of the output's shape and ``x``'s dtype, added before the store
+            (a residual block's shortcut); its gradient is the output's.
+
+    Returns:
+        ``(y, y_mean, y_var)``: y as :func:`bn_relu_conv2d_with_stats` (plus ``residual``) and the
+        (K,) float32 per-channel mean and biased variance of the stored y (detached: a consumer
+        using them with ``batch_stats=True`` folds their gradient terms into its own backward).
+
+    Raises:
+        ValueError: malformed stride/padding/dilation.
+    """
+    y, y_mean, y_var = _bn_relu_conv2d_stats_op(
+        x, weight, bias, stats.mean, stats.invstd, bn_weight, bn_bias, residual,
+        _pair(stride, "stride"), _pair(padding, "padding"), _pair(dilation, "dilation"), groups, stats.batch_stats,
+        "triton",
+    )
+    return y, y_mean, y_var
 
 
 def bn_relu_conv2d(

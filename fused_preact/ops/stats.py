@@ -97,7 +97,23 @@ def _batch_stats_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _stats_partial_kernel[(parts, triton.cdiv(C, block_c))](
         xm, part_mean, part_m2, M, C, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=8
     )
-    mean = torch.empty(C, device=x.device, dtype=torch.float32)
+    return combine_partials(part_mean, part_m2, M, block_m)
+
+
+def combine_partials(part_mean: torch.Tensor, part_m2: torch.Tensor, M: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold per-tile statistics into per-channel mean and biased variance (Chan's rule, fp32).
+
+    Args:
+        part_mean, part_m2: (num_tiles, C) fp32; row i holds the mean and M2 (Σ(x − mean_i)²) of
+            rows ``[i·block_m, min((i+1)·block_m, M))`` of the (M, C) activation.
+        M: total rows (N·H·W); block_m: rows per tile (the last tile may be shorter).
+
+    Returns:
+        ``(mean, var)``: (C,) float32 each; var is biased (M2/M).
+    """
+    parts, C = part_mean.shape
+    block_c = _stats_blocks(M, C)[1]
+    mean = torch.empty(C, device=part_mean.device, dtype=torch.float32)
     var = torch.empty_like(mean)
     _stats_combine_kernel[(triton.cdiv(C, block_c),)](
         part_mean, part_m2, mean, var, M, C, parts, BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_P=64
