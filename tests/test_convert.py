@@ -321,6 +321,35 @@ def test_converted_matches_eager(model_id, train, request):
     assert {m.last_backend for m in _fused_modules(converted)} == {expected}
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("model_id", list(MODELS))
+def test_converted_matches_float64_in_16_bit(model_id, dtype, train, request):
+    """On a GPU: a converted model in fp16/bf16 (channels_last) stays within the 16-bit tolerance of
+    the float64 eager model, outputs and input gradients, in train and eval mode."""
+    factory, shape, *_ = MODELS[model_id]
+    timm_mod = request.getfixturevalue("timm") if model_id.startswith("timm") else None
+    torch.manual_seed(0)
+    model = factory(timm_mod)
+    _randomize_bn(model)
+    eager64 = copy.deepcopy(model).double().train(train)
+    model = convert(model.to("cuda", dtype).to(memory_format=torch.channels_last)).train(train)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) + 0.2
+    x64 = x.double().requires_grad_()
+    xc = x.to("cuda", dtype).contiguous(memory_format=torch.channels_last).requires_grad_()
+    torch.manual_seed(1)
+    y = model(xc)
+    torch.manual_seed(1)
+    y64 = eager64(x64)
+    dy = torch.randn(y64.shape, dtype=torch.float64)
+    y.backward(dy.to("cuda", dtype))
+    y64.backward(dy)
+    assert_close(y, y64, dtype, "output")
+    assert_close(xc.grad, x64.grad, dtype, "input grad")
+    assert {m.last_backend for m in _fused_modules(model)} == {"triton"}
+
+
 def test_raw_projection_lookalike_is_converted_as_written():
     block = RawProjectionBlock(4, 8, 2)
     _, report = convert(CifarNet([block]), backend="reference", report=True)
