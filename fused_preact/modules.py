@@ -167,19 +167,20 @@ def fused_bn_relu_convs_chained(
     epilogue_res = (
         residual is not None and residual.dtype == x.dtype and not torch.is_autocast_enabled(x.device.type)
     )
+    # The statistics epilogue serves convs[0] when its output statistics are wanted and any residual
+    # can be added in the same epilogue (otherwise they would describe the output without it).
+    use_epilogue = choice.name == "triton" and (epilogue_res or (want_stats and residual is None))
     outs, out_stats = [], None
     for i, c in enumerate(convs):
         conv_args = (c.weight, c.bias, bn.weight, bn.bias, c.stride, c.padding, c.dilation, c.groups)
-        if i == 0 and choice.name == "triton" and (want_stats or epilogue_res):
-            y, y_mean, y_var = bn_relu_conv2d_with_stats_out(
-                x, stats, *conv_args, residual=residual if epilogue_res else None
-            )
-            out_stats = (y_mean, y_var) if want_stats and (epilogue_res or residual is None) else None
-            outs.append(y if epilogue_res or residual is None else y + residual)
+        if i == 0 and use_epilogue:
+            y, y_mean, y_var = bn_relu_conv2d_with_stats_out(x, stats, *conv_args, residual=residual)
+            out_stats = (y_mean, y_var) if want_stats else None
+            residual = None  # added in the epilogue
         else:
             y = bn_relu_conv2d_with_stats(x, stats, *conv_args, choice.name)
-            outs.append(y + residual if i == 0 and residual is not None else y)
-    return outs, out_stats
+        outs.append(y)
+    return _add_residual(outs, residual), out_stats
 
 
 def _add_residual(outs: list[torch.Tensor], residual: Optional[torch.Tensor]) -> list[torch.Tensor]:

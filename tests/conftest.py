@@ -34,3 +34,13 @@ def _ieee_fp32():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of many tiny ops: one intra-op thread (with two on a busy 2-core runner each op
+    waits for a descheduled thread, 10-20× slower); restored after the module."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -53,14 +53,7 @@ def _import_timm():
     return importlib.import_module("timm")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """These tests run many tiny ops; with two intra-op threads on a busy 2-core runner each op waits
-    for a descheduled thread (10-20× slower). One thread for this module, restored afterwards."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
