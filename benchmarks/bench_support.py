@@ -1,6 +1,6 @@
 """What the pytest-benchmark suite shares: the cases (the shapes and providers of
 ``python -m fused_preact.bench``) and one runner per level built on the same harnesses
-(:mod:`fused_preact.bench_timing`) and cost model (:mod:`fused_preact.bench_shapes`).
+(:mod:`fused_preact.bench.timing`) and cost model (:mod:`fused_preact.bench.shapes`).
 
 Environment:
     FUSED_PREACT_BENCH        ``full`` (default: every distinct unit and block of PreActResNet-50 and
@@ -27,8 +27,8 @@ import os
 import pytest
 import torch
 
-from fused_preact import bench_timing as BT
-from fused_preact.bench_shapes import (MODEL_SPECS, MODES, achieved, block_flops, block_min_bytes, enumerate_blocks,
+from fused_preact.bench import timing as BT
+from fused_preact.bench.shapes import (MODEL_SPECS, MODES, achieved, block_flops, block_min_bytes, enumerate_blocks,
                                        enumerate_units, floor_ms, pct_of_floor, quick_blocks, quick_units, unit_flops,
                                        unit_min_bytes)
 

@@ -4,7 +4,8 @@ Public API (loaded lazily, so ``python -m fused_preact`` can choose Triton's int
 triton is imported):
     FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottleneck   drop-in modules (fused_preact.modules)
     models                                                      PreActResNet factories (fused or eager)
-    variants, diagnostics                                       the paper's unit/shortcut variants; gradient flow
+    experiments                                                 the main job and the paper's variants, gradient flow
+    bench                                                       benchmarks (``python -m fused_preact.bench``)
     ops                                                         the fused ops and their references
     convert(), ConversionReport                                 swap fused modules into existing models (timm, ...)
     convert_sync_batchnorm()                                    SyncBatchNorm that keeps fused modules fused
@@ -27,7 +28,7 @@ _LAZY = {
     "backends": "fused_preact.dispatch",
     "select_backend": "fused_preact.dispatch",
 }
-_SUBMODULES = ("models", "ops", "modules", "data", "train", "variants", "diagnostics", "conversion")
+_SUBMODULES = ("models", "ops", "modules", "conversion", "experiments", "bench")
 
 __all__ = sorted(list(_LAZY) + ["models", "ops"])
 

@@ -194,34 +194,23 @@ def preact_resnext101_32x8d(num_classes: int = 1000, fused: bool = True, backend
     return _imagenet("bottleneck", [3, 4, 23, 3], num_classes, fused, backend, groups=32, base_width=8)
 
 
-def preact_resnet_cifar(depth: int, num_classes: int = 10, fused: Optional[bool] = None, backend: str = "auto",
-                        bottleneck: Optional[bool] = None, unit: str = "full_preact", shortcut: str = "identity",
-                        **shortcut_options) -> nn.Module:
-    """The paper's CIFAR ResNet of any valid depth (32×32 input), in any of its unit/shortcut variants.
+def preact_resnet_cifar(depth: int, num_classes: int = 10, fused: bool = True, backend: str = "auto",
+                        bottleneck: Optional[bool] = None) -> PreActResNet:
+    """The paper's CIFAR ResNet (full pre-activation units, identity shortcuts) of any valid depth, 32×32 input.
 
     Args:
         depth: total weighted layers. Basic blocks need ``(depth − 2) % 6 == 0`` (20, 56, 110, …);
             bottlenecks need ``(depth − 2) % 9 == 0`` (164, 1001, …).
-        bottleneck: force the block type; default: bottleneck exactly when ``depth ≥ 164``.
         num_classes, backend: as :class:`PreActResNet`.
-        fused: fused build (True) or eager twin (False); default: fused for the full pre-activation
-            unit with identity shortcut, eager for every other variant.
-        unit, shortcut, shortcut_options: a residual-unit variant of He et al. 2016 Fig. 4 and a
-            shortcut variant of Fig. 2 (names in :data:`fused_preact.variants.UNITS` /
-            ``SHORTCUTS``). The default — full pre-activation, identity shortcut — is the fused
-            :class:`PreActResNet`; every other pair is built eagerly by
-            :func:`fused_preact.variants.preact_resnet_cifar_variant` (pass ``fused=False``).
+        fused: fused build (True) or its eager twin (False); same parameter names either way.
+        bottleneck: force the block type; default: bottleneck exactly when ``depth ≥ 164``.
+
+    The other residual-unit and shortcut variants of the paper (Fig. 2 and 4) are eager networks
+    built by :func:`fused_preact.experiments.variants.preact_resnet_cifar_variant`.
 
     Raises:
-        ValueError: depth does not fit the block type; unknown unit/shortcut; ``fused=True`` for a
-            variant that has no fused form.
+        ValueError: depth does not fit the block type.
     """
-    if (unit, shortcut) != ("full_preact", "identity") or shortcut_options:
-        from fused_preact.variants import preact_resnet_cifar_variant
-
-        return preact_resnet_cifar_variant(depth, unit, shortcut, num_classes, bottleneck, fused, backend,
-                                           **shortcut_options)
-    fused = True if fused is None else fused
     if bottleneck is None:
         bottleneck = depth >= 164
     per = 9 if bottleneck else 6

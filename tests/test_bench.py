@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fused_preact import bench
-from fused_preact import bench_timing as BT
-from fused_preact.bench_shapes import (UnitShape, block_flops, block_min_bytes, dtype_from_name, enumerate_blocks,
+from fused_preact.bench import run as bench
+from fused_preact.bench import timing as BT
+from fused_preact.bench.shapes import (UnitShape, block_flops, block_min_bytes, dtype_from_name, enumerate_blocks,
                                        enumerate_units, floor_ms, pct_of_floor, quick_units, unit_flops,
                                        unit_min_bytes)
 

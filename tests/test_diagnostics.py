@@ -1,4 +1,4 @@
-"""Gradient-flow diagnostics (fused_preact.diagnostics): per-block numbers against a hand-run
+"""Gradient-flow diagnostics (fused_preact.experiments.gradient_flow): per-block numbers against a hand-run
 backward pass, no side effects on the model, the PNG plot and the command line."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fused_preact.diagnostics import METRICS, gradient_flow, main, parse_args, plot_gradient_flow, residual_blocks
+from fused_preact.experiments.gradient_flow import METRICS, gradient_flow, main, parse_args, plot_gradient_flow, residual_blocks
 from fused_preact.models import preact_resnet18, preact_resnet_cifar
-from fused_preact.variants import preact_resnet_cifar_variant
+from fused_preact.experiments.variants import preact_resnet_cifar_variant
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -174,7 +174,7 @@ def test_cli_subprocess(tmp_path):
     except ImportError:
         png = None
     js = tmp_path / "flow.json"
-    cmd = [sys.executable, "-m", "fused_preact.diagnostics", "--depth", "8", "14", "--units", "original",
+    cmd = [sys.executable, "-m", "fused_preact.experiments.gradient_flow", "--depth", "8", "14", "--units", "original",
            "full_preact", "--batch", "2", "--image-size", "8", "--json", str(js), "--rows", "2"]
     if png is not None:
         cmd += ["--out", str(png)]

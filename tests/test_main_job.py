@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import DEVICE
-from fused_preact.train import main
+from fused_preact.experiments.main_job import main
 
 pytest.importorskip("sklearn")
 
@@ -52,7 +52,7 @@ def test_cifar10_pickle_folder(tmp_path):
 
     import numpy as np
 
-    from fused_preact.data import load_cifar10
+    from fused_preact.experiments.data import load_cifar10
 
     rng = np.random.default_rng(0)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from fused_preact import FusedPreActBlock, FusedPreActBottleneck
 from fused_preact.models import PreActBlock, PreActBottleneck, PreActResNet, preact_resnet_cifar
-from fused_preact.variants import (
+from fused_preact.experiments.variants import (
     SHORTCUTS,
     UNIT_CLASSES,
     UNITS,

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fused_preact.bench_shapes import MODES, BlockShape, ModelSpec, UnitShape
+from fused_preact.bench.shapes import MODES, BlockShape, ModelSpec, UnitShape
 
 __all__ = [
     "LAYER_PROVIDERS",
@@ -421,7 +421,7 @@ class StepHarness:
         shape = (batch, 3, spec.image_size, spec.image_size)
         if backend == "cuda":
             # probe with the first block's input: the 3-channel image feeds the stem conv, not a fused unit
-            from fused_preact.bench_shapes import enumerate_blocks
+            from fused_preact.bench.shapes import enumerate_blocks
 
             first = enumerate_blocks(spec.name, batch)[0]
             reason = cuda_backend_reason(_probe((first.N, first.in_planes, first.H, first.W), dtype))

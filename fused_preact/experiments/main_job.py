@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from fused_preact.data import load_cifar10, load_digits
+    from fused_preact.experiments.data import load_cifar10, load_digits
     from fused_preact.models import preact_resnet_cifar
 
     try:

@@ -60,6 +60,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fused_preact.models import preact_resnet_cifar
+
 __all__ = [
     "UNITS",
     "SHORTCUTS",
@@ -494,7 +496,5 @@ def preact_resnet_cifar_variant(depth: int, unit: str = "full_preact", shortcut:
         bottleneck = depth >= 164
     n = _units_per_stage(depth, bottleneck)
     if fusable:
-        from fused_preact.models import preact_resnet_cifar
-
         return preact_resnet_cifar(depth, num_classes, fused=fused, backend=backend, bottleneck=bottleneck)
     return ResNetVariant(unit, shortcut, [n, n, n], [16, 32, 64], bottleneck, num_classes, **shortcut_options)

@@ -2,17 +2,17 @@
 
 Levels (``--level``):
     unit    every distinct BN→ReLU→Conv unit of each model (projection shortcuts included), modes
-            fwd, bwd, fwd+bwd (:class:`fused_preact.bench_timing.LayerHarness`)
+            fwd, bwd, fwd+bwd (:class:`fused_preact.bench.timing.LayerHarness`)
     block   every distinct pre-activation block configuration, same modes
     model   one training step (forward, backward, SGD step) of each model; for the 32×32 CIFAR nets
-            also captured in a CUDA graph (:class:`fused_preact.bench_timing.StepHarness`)
+            also captured in a CUDA graph (:class:`fused_preact.bench.timing.StepHarness`)
 Providers (``--providers``): eager, compile, compile-max-autotune, triton, cuda (skipped with the
 dispatcher's reason until a ``cuda`` backend is registered), eager-cudagraph, triton-cudagraph.
 
 Every result records the median time (ms) and the peak memory one call needs beyond its inputs
 (bytes); unit and block results also FLOPs, minimum bytes, achieved TFLOP/s and effective GB/s,
 the roofline floor (ms) from peaks *measured* at the start of the run, and percent of floor
-(cost model: :mod:`fused_preact.bench_shapes`; timing method: :mod:`fused_preact.bench_timing`).
+(cost model: :mod:`fused_preact.bench.shapes`; timing method: :mod:`fused_preact.bench.timing`).
 
 Budget: the run works through cheap providers first (eager, fused, CUDA graphs; all levels), then
 ``torch.compile`` for the first model (training step first, then units, then blocks), then for the
@@ -50,7 +50,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from fused_preact.bench_shapes import (MODEL_SPECS, MODES, achieved, block_flops, block_min_bytes, dtype_from_name,
+from fused_preact.bench.shapes import (MODEL_SPECS, MODES, achieved, block_flops, block_min_bytes, dtype_from_name,
                                        enumerate_blocks, enumerate_units, floor_ms, pct_of_floor, quick_blocks,
                                        quick_units, unit_flops, unit_min_bytes)
 
@@ -437,7 +437,7 @@ class _Run:
         self.log(f"skip {t.level} {t.name} {t.provider}: {reason}")
 
     def layer(self, t: _Task) -> list[dict]:
-        from fused_preact import bench_timing as BT
+        from fused_preact.bench import timing as BT
 
         unit = t.level == "unit"
         mod = (BT.unit_module if unit else BT.block_module)(t.provider, t.item, self.dtype)
@@ -456,7 +456,7 @@ class _Run:
         return out
 
     def model(self, t: _Task) -> list[dict]:
-        from fused_preact import bench_timing as BT
+        from fused_preact.bench import timing as BT
 
         h = BT.StepHarness(t.item, t.provider, self.a.batch, self.dtype, self.peaks.l2_bytes)
         m = h.measure(self.a.warmup, self.a.model_reps, 4 * self.a.max_s)
@@ -467,7 +467,7 @@ class _Run:
                            flops_note="block convolutions, fwd+bwd", **m.extra)]
 
     def execute(self, tasks: list[_Task]) -> None:
-        from fused_preact import bench_timing as BT
+        from fused_preact.bench import timing as BT
 
         torch.backends.cudnn.benchmark = True
         self.log(f"measuring peaks; then {len(tasks)} tasks, time limit {self.a.time_limit:.0f} s → {self.path}")

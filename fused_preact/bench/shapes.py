@@ -2,7 +2,7 @@
 FLOPs and how few bytes each must cost, and the floor those two numbers put under its run time.
 
 Pure Python and CPU-only (the models are walked on the ``meta`` device, nothing is allocated), so
-every number here is testable without a GPU. The timing half lives in :mod:`fused_preact.bench_timing`.
+every number here is testable without a GPU. The timing half lives in :mod:`fused_preact.bench.timing`.
 
 Cost model (per BN→ReLU→Conv unit; x: (N, C, H, W), W: (K, C/g, R, S), y: (N, K, P, Q); ``e`` bytes
 per element of the benchmark dtype):
@@ -25,7 +25,7 @@ its inputs twice in backward; ``shared/DESIGN.md`` counts those passes. The floo
 bound no implementation beats, and "percent of floor" (floor/measured) says how close one comes.
 
 Floor: ``max(FLOPs / peak FLOP/s, bytes / peak B/s)`` with the peaks *measured* on the machine
-(a large bf16 matmul and a large device copy; :func:`fused_preact.bench_timing.measure_peaks`),
+(a large bf16 matmul and a large device copy; :func:`fused_preact.bench.timing.measure_peaks`),
 as in the roofline model (Williams, Waterman, Patterson, CACM 52(4), 2009).
 
 A block's FLOPs, bytes and floor are the sums over its units (each intermediate activation feeds a

@@ -8,9 +8,9 @@ along depth. :func:`gradient_flow` measures that for one batch: for every residu
 norm of the loss gradient at the block's output (and input), and ‖∇W‖ and ‖∇W‖/‖W‖ over the block's
 conv weights. :func:`plot_gradient_flow` draws the curves of several models into one PNG.
 
-Command line (``python -m fused_preact.diagnostics --help``)::
+Command line (``python -m fused_preact.experiments.gradient_flow --help``)::
 
-    python -m fused_preact.diagnostics --depth 164 1001 --units original full_preact \\
+    python -m fused_preact.experiments.gradient_flow --depth 164 1001 --units original full_preact \\
         --batch 8 --out gradflow.png --json gradflow.json
 """
 
@@ -40,7 +40,7 @@ def residual_blocks(model: nn.Module) -> list[tuple[str, int, int, nn.Module]]:
     """The residual blocks of ``model``, in forward order: ``(name, stage, index, module)``.
 
     Blocks are the children of the model's ``layer1``, ``layer2``, … ``nn.Sequential`` attributes
-    (the layout of every network in :mod:`fused_preact.models` and :mod:`fused_preact.variants`);
+    (the layout of every network in :mod:`fused_preact.models` and :mod:`fused_preact.experiments.variants`);
     ``name`` is the dotted module name (``"layer2.0"``), ``stage`` the 1-based stage number and
     ``index`` the 0-based position in the stage.
 
@@ -73,7 +73,7 @@ def gradient_flow(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
 
     Args:
         model: a network with ``layer1``, ``layer2``, … Sequentials of residual blocks (any model of
-            :mod:`fused_preact.models` or :mod:`fused_preact.variants`, fused or eager).
+            :mod:`fused_preact.models` or :mod:`fused_preact.experiments.variants`, fused or eager).
         x: (N, 3, H, W) floating input on the model's device and in its dtype.
         y: targets for ``loss_fn`` (class indices (N,) int64 for the default cross-entropy).
         loss_fn: ``loss_fn(logits, y)`` → scalar tensor.
@@ -193,11 +193,11 @@ def plot_gradient_flow(results: dict[str, list[dict]], path: str, title: Optiona
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    """Command-line arguments of ``python -m fused_preact.diagnostics``."""
-    from fused_preact.variants import SHORTCUTS, UNITS
+    """Command-line arguments of ``python -m fused_preact.experiments.gradient_flow``."""
+    from fused_preact.experiments.variants import SHORTCUTS, UNITS
 
     p = argparse.ArgumentParser(
-        prog="python -m fused_preact.diagnostics",
+        prog="python -m fused_preact.experiments.gradient_flow",
         description="Per-block gradient norms and ||grad W||/||W|| of CIFAR ResNet variants for one batch "
                     "(He et al. 2016), printed as a table and optionally plotted to a PNG.",
         epilog="Models are built eager (fused=False) unless --fused is given: the eager build computes the same "
@@ -229,7 +229,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def _batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(args.seed)
     if args.data == "digits":
-        from fused_preact.data import load_digits
+        from fused_preact.experiments.data import load_digits
 
         data = load_digits(args.image_size)
         idx = torch.randperm(data.train_x.shape[0], generator=gen)[:args.batch]
@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> dict[str, list[dict]]:
     Raises:
         ValueError: an invalid depth. ImportError: ``--data digits`` without scikit-learn.
     """
-    from fused_preact.variants import preact_resnet_cifar_variant
+    from fused_preact.experiments.variants import preact_resnet_cifar_variant
 
     device = torch.device(args.device)
     x, y = _batch(args)
@@ -284,7 +284,7 @@ def _table(results: dict[str, list[dict]], rows: int) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of ``python -m fused_preact.diagnostics``; returns the exit status (0 on success)."""
+    """Entry point of ``python -m fused_preact.experiments.gradient_flow``; returns the exit status (0 on success)."""
     args = parse_args(argv)
     if args.fused and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,9 @@
+"""Benchmarks of the fused kernels against eager PyTorch, ``torch.compile`` and cuDNN (needs CUDA to time).
+
+Modules:
+    run      ``python -m fused_preact.bench``: the runner, results files, tables and charts
+    timing   timing harnesses (CUDA events, CUDA graphs, peak memory, measured roofline peaks)
+    shapes   the unit/block/model shapes of PreActResNet-50/-164 and the FLOP/byte cost model
+
+Nothing here is imported by the library itself.
+"""
