@@ -72,8 +72,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fused_preact.dispatch import BACKENDS
-from fused_preact.modules import FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottleneck, fused_bn_relu_convs
+from fused_preact.modules import FusedBNReLUConv2d, FusedModuleBase, FusedPreActBlock, FusedPreActBottleneck, init_fused_state, run_units, describe_backend
+from fused_preact.ops import BACKENDS
 
 __all__ = ["ConversionReport", "ConvertedPreActBlock", "FusedSequential", "Replaced", "Skipped", "convert"]
 
@@ -185,7 +185,7 @@ def _preact(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm(x) if _has_act(norm) else F.relu(norm(x))
 
 
-class ConvertedPreActBlock(nn.Module):
+class ConvertedPreActBlock(FusedModuleBase):
     """A pre-activation residual block rebuilt on the fused op, holding the original block's children.
 
     Built by :func:`convert` from a timm-style (``norm1, conv1, …, downsample, drop_path``) or
@@ -193,7 +193,8 @@ class ConvertedPreActBlock(nn.Module):
     under the same name in the same order, so parameters, buffers and state_dict keys are unchanged.
 
     Forward: ``drop_path(conv_k(relu(bn_k(… conv_1(relu(bn_1(x))) …)))) + shortcut``, each
-    BN → ReLU → Conv step through :func:`fused_preact.modules.fused_bn_relu_convs`; ``shortcut`` is
+    BN → ReLU → Conv step fused, the steps run as one chain (:func:`fused_preact.modules.run_units`)
+    with the shortcut added in the last conv's epilogue unless a drop path is active; ``shortcut`` is
     read as ``shortcut_mode`` says (see :mod:`fused_preact.conversion`). With ``module_preact`` or
     ``identity_preact`` the first BN → ReLU runs unfused (its output is materialized once).
 
@@ -206,20 +207,17 @@ class ConvertedPreActBlock(nn.Module):
         source_type: the original block's qualified class name.
 
     Shapes and dtypes: those of the original block (input (N, C, H, W)).
-    Raises (in forward): as :func:`fused_bn_relu_convs` (bad rank or channels, forced backend that
+    Raises (in forward): as :func:`fused_preact.modules.run_units` (bad rank or channels, forced backend that
     cannot serve the input).
     """
 
     def __init__(self, block: nn.Module, steps: tuple[tuple[str, str], ...], shortcut_name: Optional[str],
                  shortcut_mode: str, proj_path: tuple[str, ...], drop_path_name: Optional[str],
                  backend: str = "auto"):
-        super().__init__()
+        super().__init__(backend)
         for name, child in block._modules.items():
             self.register_module(name, child)
         self.training = block.training
-        self.backend = backend
-        self.last_backend: Optional[str] = None
-        self.fallback_reason: Optional[str] = None
         self.steps = steps
         self.shortcut_name = shortcut_name
         self.shortcut_mode = shortcut_mode
@@ -230,7 +228,7 @@ class ConvertedPreActBlock(nn.Module):
             self.expansion = type(block).expansion
 
     def extra_repr(self) -> str:
-        return f"backend={self.backend!r}, shortcut={_MODES[self.shortcut_mode]!r}, source={self.source_type}"
+        return f"{super().extra_repr()}, shortcut={_MODES[self.shortcut_mode]!r}, source={self.source_type}"
 
     def _shortcut(self) -> nn.Module:
         return self._modules[self.shortcut_name]
@@ -238,25 +236,40 @@ class ConvertedPreActBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(N, C, H, W) → the original block's output; see the class docstring."""
         mods = self._modules
-        norm, conv = mods[self.steps[0][0]], mods[self.steps[0][1]]
+        steps = [(mods[n], mods[c]) for n, c in self.steps]
         mode = self.shortcut_mode
+        dp = mods.get(self.drop_path_name) if self.drop_path_name is not None else None
+        drop = _drop_path_active(dp)
         if mode in ("module_preact", "identity_preact"):
-            a = _preact(norm, x)
-            out = conv(a)
+            a = _preact(steps[0][0], x)
+            h = steps[0][1](a)
             sc = a if mode == "identity_preact" else self._shortcut()(a)
-        elif mode == "proj_fused":
+            if drop:
+                return dp(run_units(self, h, steps[1:])[0]) + sc
+            return run_units(self, h, steps[1:], residual=sc)[0]
+        if mode == "proj_fused":
             proj = mods[self.proj_path[0]]
             for part in self.proj_path[1:]:
                 proj = proj._modules[part]
-            out, sc = fused_bn_relu_convs(self, x, norm, [conv, proj])
-        else:
-            out = fused_bn_relu_convs(self, x, norm, [conv])[0]
-            sc = x if mode == "identity_raw" else self._shortcut()(x)
-        for norm_name, conv_name in self.steps[1:]:
-            out = fused_bn_relu_convs(self, out, mods[norm_name], [mods[conv_name]])[0]
-        if self.drop_path_name is not None and mods.get(self.drop_path_name) is not None:
-            out = mods[self.drop_path_name](out)
-        return out + sc
+            if drop:
+                out, sc, _ = run_units(self, x, steps, proj=proj, proj_out="return")
+                return dp(out) + sc
+            return run_units(self, x, steps, proj=proj)[0]
+        sc = x if mode == "identity_raw" else self._shortcut()(x)
+        if drop:
+            return dp(run_units(self, x, steps)[0]) + sc
+        return run_units(self, x, steps, residual="input" if mode == "identity_raw" else sc)[0]
+
+
+def _drop_path_active(dp: Optional[nn.Module]) -> bool:
+    """Whether the drop-path module changes its input now: never for None / ``nn.Identity`` or a
+    timm-style ``DropPath`` in eval mode or with ``drop_prob == 0``; always for unknown modules."""
+    if dp is None or isinstance(dp, nn.Identity):
+        return False
+    prob = getattr(dp, "drop_prob", None)
+    if isinstance(prob, (int, float)):
+        return dp.training and prob > 0
+    return True
 
 
 class FusedSequential(nn.Sequential):
@@ -282,7 +295,12 @@ class FusedSequential(nn.Sequential):
         _init_fused_sequential(self, backend)
 
     def extra_repr(self) -> str:
-        return f"backend={self.backend!r}, fused_runs={list(self.fused_runs.values())}"
+        return f"{describe_backend(self)}, fused_runs={list(self.fused_runs.values())}"
+
+    def _apply(self, fn, recurse=True):
+        self._plans.clear()
+        self._specs.clear()
+        return super()._apply(fn, recurse)
 
     def __getitem__(self, idx):
         """As ``nn.Sequential``; a slice is a FusedSequential keeping the runs wholly inside it."""
@@ -313,7 +331,7 @@ class FusedSequential(nn.Sequential):
         while i < len(items):
             n = self._run_at(items, i) if items[i][0] in self.fused_runs else 0
             if n:
-                input = fused_bn_relu_convs(self, input, items[i][1], [items[i + n - 1][1]])[0]
+                input = run_units(self, input, [(items[i][1], items[i + n - 1][1])])[0]
                 i += n
             else:
                 input = items[i][1](input)
@@ -322,9 +340,7 @@ class FusedSequential(nn.Sequential):
 
 
 def _init_fused_sequential(seq: nn.Sequential, backend: str) -> None:
-    seq.backend = backend
-    seq.last_backend = None
-    seq.fallback_reason = None
+    init_fused_state(seq, backend)
     seq.fused_runs = {}
 
 

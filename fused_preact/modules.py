@@ -15,60 +15,45 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fused_preact.dispatch import select_backend
 from fused_preact.ops import (
-    bn_relu_conv2d_with_stats,
-    bn_relu_conv2d_with_stats_out,
-    bn_statistics,
-    check_inputs,
-    check_training_batch,
+    BACKENDS,
+    BATCH,
+    EXTERNAL,
+    RUNNING,
+    BNMode,
+    ChainSpec,
+    ChainTensors,
+    ConvGeom,
+    PlanCache,
+    StatsHandoff,
+    run_chain,
+    select_backend,
 )
 from fused_preact.ops.sync_stats import sync_bn_statistics, sync_enabled
 
-__all__ = ["FusedBNReLUConv2d", "FusedPreActBlock", "FusedPreActBottleneck", "bottleneck_width", "convert_sync_batchnorm", "fused_bn_relu_convs",
-           "fused_bn_relu_convs_chained", "run_blocks"]
+__all__ = ["FusedBNReLUConv2d", "FusedPreActBlock", "FusedPreActBottleneck", "FusedModuleBase", "bottleneck_width",
+           "convert_sync_batchnorm", "run_units", "run_blocks", "bn_mode", "init_fused_state", "describe_backend"]
 
 logger = logging.getLogger("fused_preact")
 
-
-def _bn_forward_args(bn: nn.BatchNorm2d):
-    """``nn.BatchNorm2d.forward``'s prologue: (use batch stats, average factor, running_mean, running_var).
-
-    Increments ``num_batches_tracked`` in training exactly as PyTorch does; callers validate first
-    so that a call which raises leaves the buffers untouched.
-    """
-    eaf = 0.0 if bn.momentum is None else bn.momentum
-    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
-        bn.num_batches_tracked.add_(1)
-        eaf = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
-    bn_training = bn.training or (bn.running_mean is None and bn.running_var is None)
-    use_buffers = not bn.training or bn.track_running_stats
-    return (
-        bn_training,
-        eaf,
-        bn.running_mean if use_buffers else None,
-        bn.running_var if use_buffers else None,
-    )
+Residual = Union[None, str, torch.Tensor]
 
 
-def _validate(x: torch.Tensor, bn: nn.BatchNorm2d, convs: list[nn.Conv2d]) -> None:
-    if x.dim() != 4:
-        raise ValueError(f"expected 4D input (got {x.dim()}D input)")
-    if x.shape[1] != bn.num_features:
-        raise RuntimeError(
-            f"fused_preact: expected input with {bn.num_features} channels (BatchNorm2d num_features), got {x.shape[1]}"
-        )
-    if bn.training and not sync_enabled(bn):  # nn.SyncBatchNorm leaves the global count unchecked
-        check_training_batch(x)
-    for c in convs:
-        if not isinstance(c.padding, str):
-            check_inputs(x, c.weight, c.bias, c.stride, c.padding, c.dilation, c.groups)
+def bn_mode(bn: nn.BatchNorm2d) -> BNMode:
+    """What ``bn``'s forward will do now, by ``nn.BatchNorm2d.forward``'s rules: batch statistics in
+    training or without running buffers, else the running ones; buffers updated (and
+    ``num_batches_tracked`` counted) in training with ``track_running_stats``; ``momentum=None`` is the
+    cumulative average."""
+    has_buffers = bn.running_mean is not None and bn.running_var is not None
+    batch = bn.training or not has_buffers
+    update = bn.training and bn.track_running_stats and has_buffers
+    return BNMode(BATCH if batch else RUNNING, bn.weight is not None, update, bn.momentum is None)
 
 
 def _conv_reasons(conv: nn.Conv2d) -> list[str]:
@@ -80,113 +65,128 @@ def _conv_reasons(conv: nn.Conv2d) -> list[str]:
     return reasons
 
 
-def fused_bn_relu_convs(owner: nn.Module, x: torch.Tensor, bn: nn.BatchNorm2d, convs: list[nn.Conv2d]) -> list[torch.Tensor]:
-    """Run ``[conv(relu(bn(x))) for conv in convs]`` with one set of BN statistics.
+def _tensors(units: list, proj: Optional[nn.Conv2d], residual: Optional[torch.Tensor],
+             modes: tuple[BNMode, ...]) -> ChainTensors:
+    t = ChainTensors([], [], [], [], [], [], [], [], [])
+    for (bn, conv), mode in zip(units, modes):
+        t.weights.append(conv.weight)
+        t.biases.append(conv.bias)
+        t.gammas.append(bn.weight)
+        t.betas.append(bn.bias)
+        keep = mode.kind == RUNNING or mode.update
+        t.running_means.append(bn.running_mean if keep else None)
+        t.running_vars.append(bn.running_var if keep else None)
+        t.num_batches.append(bn.num_batches_tracked if mode.update else None)
+        t.momenta.append(bn.momentum)
+        t.eps.append(bn.eps)
+    t.proj_weight = proj.weight if proj is not None else None
+    t.residual = residual
+    return t
 
-    The BN statistics (and the running-stat update) are computed once and feed every conv, each of
-    which fuses BN+ReLU into its input prologue and saves only ``x``. When ``bn`` is an
-    ``nn.SyncBatchNorm`` that must synchronize (training, >1 rank; see
-    :func:`fused_preact.ops.sync_stats.sync_enabled`) the statistics are all-gathered over its
-    process group and their gradients all-reduced in backward, as ``nn.SyncBatchNorm`` does — so
-    ``nn.SyncBatchNorm.convert_sync_batchnorm`` on a fused model keeps it fused *and* synchronized.
+
+def _spec(owner: nn.Module, units: list, proj: Optional[nn.Conv2d], proj_out: str, residual: str) -> ChainSpec:
+    key = (tuple(id(c) for _, c in units), id(proj), proj_out, residual)
+    spec = owner._specs.get(key)
+    if spec is None:
+        spec = owner._specs[key] = ChainSpec(tuple(ConvGeom.of(c) for _, c in units),
+                                             ConvGeom.of(proj) if proj is not None else None, proj_out, residual)
+    return spec
+
+
+def run_units(owner: nn.Module, x: torch.Tensor, units: list, proj: Optional[nn.Conv2d] = None,
+              proj_out: str = "add", residual: Residual = None, in_stats: Optional[StatsHandoff] = None,
+              want_stats: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[StatsHandoff]]:
+    """Run ``units`` — ``[(bn_0, conv_0), …]``, each ``conv_i(relu(bn_i(·)))`` on the previous output —
+    as one fused chain, with a pre-activation block's shortcut.
 
     Args:
-        owner: the module whose ``backend`` attribute is requested and whose ``last_backend`` /
-            ``fallback_reason`` record what ran.
-        x: (N, C, H, W) input of ``bn``.
-        bn: the BatchNorm2d holding γ, β and the running buffers.
-        convs: convolutions reading the pre-activation ``relu(bn(x))``.
+        owner: the fused module; its ``backend`` is requested, its ``last_backend`` and
+            ``fallback_reason`` record what ran, its caches hold the plans.
+        x: (N, C, H, W) input of ``bn_0``.
+        units: (BatchNorm2d, Conv2d) pairs.
+        proj: a 1×1 conv on ``relu(bn_0(x))`` (projection shortcut), added to the output
+            (``proj_out="add"``) or returned (``"return"``).
+        residual: None, ``"input"`` (add x: identity shortcut) or a tensor of the output's shape.
+        in_stats: x's partial statistics from the producer's epilogue (used when bn_0 normalizes with
+            batch statistics on the Triton path). want_stats: return the output's partial statistics.
 
     Returns:
-        The conv outputs, in order.
+        ``(out, proj_out, stats)`` (proj_out and stats None unless asked for and available).
 
     Raises:
-        ValueError / RuntimeError: bad input rank or channel count, one value per channel in
-            training, or a forced backend that cannot serve the input.
+        ValueError / RuntimeError: PyTorch's input errors; a forced backend that cannot serve the input.
     """
-    return fused_bn_relu_convs_chained(owner, x, bn, convs)[0]
-
-
-def _needs_batch_stats(bn: nn.BatchNorm2d) -> bool:
-    """Whether ``bn``'s forward will normalize with batch statistics (``F.batch_norm``'s rule)."""
-    return bn.training or (bn.running_mean is None and bn.running_var is None)
-
-
-def fused_bn_relu_convs_chained(
-    owner: nn.Module,
-    x: torch.Tensor,
-    bn: nn.BatchNorm2d,
-    convs: list[nn.Conv2d],
-    batch_mean_var: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-    residual: Optional[torch.Tensor] = None,
-    want_stats: bool = False,
-) -> tuple[list[torch.Tensor], Optional[tuple[torch.Tensor, torch.Tensor]]]:
-    """:func:`fused_bn_relu_convs` with the epilogue fusions of a residual block.
-
-    Args:
-        owner, x, bn, convs: as :func:`fused_bn_relu_convs`.
-        batch_mean_var: ``x``'s per-channel (mean, biased var), fp32, already computed by the
-            producer's epilogue; used instead of a statistics pass when this BN normalizes with batch
-            statistics on the non-synchronized Triton path (ignored otherwise).
-        residual: added to ``convs[0]``'s output — in its epilogue on the Triton path when the dtypes
-            agree and autocast is off, otherwise by a separate add.
-        want_stats: also return the (mean, var) of ``convs[0]``'s output (plus residual) from its
-            epilogue, for the BatchNorm that reads it next; only the Triton path provides them.
-
-    Returns:
-        ``(outputs, stats)``: the conv outputs in order, and the (K,) fp32 (mean, var) of
-        ``outputs[0]`` or ``None`` when they were not asked for or this path cannot provide them.
-    """
-    _validate(x, bn, convs)
-    requested = owner.backend
+    convs = [c for _, c in units] + ([proj] if proj is not None else [])
     conv_reasons = [r for c in convs for r in _conv_reasons(c)]
-    if conv_reasons and requested not in ("auto", "reference"):
-        raise RuntimeError(f"fused_preact: backend={requested!r} cannot serve this module: " + "; ".join(conv_reasons))
-    conv_args = [(c.weight, c.stride, c.padding, c.dilation, c.groups) for c in convs]
-    choice = select_backend("reference" if conv_reasons else requested, x, conv_args)
-    reason = "; ".join(conv_reasons) if conv_reasons else choice.reason
-    _record(owner, choice.name, reason, x)
-    bn_training, eaf, running_mean, running_var = _bn_forward_args(bn)
-    if sync_enabled(bn):
-        stats = sync_bn_statistics(
-            x, running_mean, running_var, eaf, bn.eps, bn.process_group, fused=choice.name != "reference"
-        )
-        if choice.name == "reference":
-            shape = (1, -1, 1, 1)
-            a = (x.float() - stats.mean.view(shape)) * stats.invstd.view(shape)
-            if bn.weight is not None:
-                a = a * bn.weight.float().view(shape) + bn.bias.float().view(shape)
-            a = F.relu(a).to(x.dtype)
-            return _add_residual([conv(a) for conv in convs], residual), None
-    elif choice.name == "reference":
-        a = F.relu(F.batch_norm(x, running_mean, running_var, bn.weight, bn.bias, bn_training, eaf, bn.eps))
-        return _add_residual([conv(a) for conv in convs], residual), None
-    else:
-        given = batch_mean_var if bn_training and choice.name == "triton" else None
-        stats = bn_statistics(x, running_mean, running_var, bn_training, eaf, bn.eps, batch_mean_var=given)
-    epilogue_res = (
-        residual is not None and residual.dtype == x.dtype and not torch.is_autocast_enabled(x.device.type)
-    )
-    # The statistics epilogue serves convs[0] when its output statistics are wanted and any residual
-    # can be added in the same epilogue (otherwise they would describe the output without it).
-    use_epilogue = choice.name == "triton" and (epilogue_res or (want_stats and residual is None))
-    outs, out_stats = [], None
-    for i, c in enumerate(convs):
-        conv_args = (c.weight, c.bias, bn.weight, bn.bias, c.stride, c.padding, c.dilation, c.groups)
-        if i == 0 and use_epilogue:
-            y, y_mean, y_var = bn_relu_conv2d_with_stats_out(x, stats, *conv_args, residual=residual)
-            out_stats = (y_mean, y_var) if want_stats else None
-            residual = None  # added in the epilogue
+    if conv_reasons:
+        if owner.backend not in ("auto", "reference"):
+            raise RuntimeError(f"fused_preact: backend={owner.backend!r} cannot serve this module: "
+                               + "; ".join(conv_reasons))
+        _record(owner, "reference", "; ".join(conv_reasons), x)
+        return _eager_units(x, units, proj, proj_out, residual)
+    if any(sync_enabled(bn) for bn, _ in units):
+        return _synchronized_units(owner, x, units, proj, proj_out, residual)
+    kind = residual if isinstance(residual, str) or residual is None else "tensor"
+    spec = _spec(owner, units, proj, proj_out, kind or "none")
+    modes = tuple(bn_mode(bn) for bn, _ in units)
+    t = _tensors(units, proj, residual if kind == "tensor" else None, modes)
+    if in_stats is not None and modes[0].kind == BATCH:
+        t.in_stats = in_stats
+    result, choice = run_chain(owner.backend, owner._plans, spec, x, t, modes, out_stats=want_stats)
+    _record(owner, choice.name, choice.reason, x)
+    return result
+
+
+def _add_shortcut(out, x, proj_val, residual):
+    if proj_val is not None:
+        out = out + proj_val
+    if isinstance(residual, str):
+        return out + x
+    return out + residual if residual is not None else out
+
+
+def _eager_units(x, units, proj, proj_out, residual):
+    """The modules' own eager forward (convs the fused kernels do not serve)."""
+    h, a0 = x, None
+    for i, (bn, conv) in enumerate(units):
+        a = F.relu(bn(h))
+        a0 = a if i == 0 else a0
+        h = conv(a)
+    p = proj(a0) if proj is not None else None
+    if proj_out == "return":
+        return _add_shortcut(h, x, None, residual), p, None
+    return _add_shortcut(h, x, p, residual), None, None
+
+
+def _synchronized_units(owner, x, units, proj, proj_out, residual):
+    """Units with a synchronizing ``nn.SyncBatchNorm``: one chain per unit, whose BatchNorm uses the
+    statistics all-gathered over its process group (``EXTERNAL`` mode: their gradients are all-reduced
+    in backward); the shortcut is added with ATen."""
+    h, p = x, None
+    for i, (bn, conv) in enumerate(units):
+        unit_proj = proj if i == 0 else None
+        spec = _spec(owner, [(bn, conv)], unit_proj, "return", "none")
+        mode = bn_mode(bn)
+        if sync_enabled(bn):
+            if mode.update:
+                bn.num_batches_tracked.add_(1)
+            factor = (1.0 / float(bn.num_batches_tracked)) if bn.momentum is None else bn.momentum
+            fused = owner.backend != "reference" and not BACKENDS["triton"].not_supported_reasons(h)
+            mean, invstd = sync_bn_statistics(h, bn.running_mean, bn.running_var, factor, bn.eps, bn.process_group,
+                                              fused=fused)
+            mode = BNMode(EXTERNAL, bn.weight is not None)
+            t = _tensors([(bn, conv)], unit_proj, None, (mode,))
+            t.ext_mean, t.ext_invstd = mean, invstd
         else:
-            y = bn_relu_conv2d_with_stats(x, stats, *conv_args, choice.name)
-        outs.append(y)
-    return _add_residual(outs, residual), out_stats
-
-
-def _add_residual(outs: list[torch.Tensor], residual: Optional[torch.Tensor]) -> list[torch.Tensor]:
-    if residual is not None:
-        outs[0] = outs[0] + residual
-    return outs
+            t = _tensors([(bn, conv)], unit_proj, None, (mode,))
+        result, choice = run_chain(owner.backend, owner._plans, spec, h, t, (mode,))
+        _record(owner, choice.name, choice.reason, h)
+        h = result.out
+        if i == 0 and proj is not None:
+            p = result.proj_out
+    if proj_out == "return":
+        return _add_shortcut(h, x, None, residual), p, None
+    return _add_shortcut(h, x, p, residual), None, None
 
 
 def _record(owner: nn.Module, name: str, reason: Optional[str], x: torch.Tensor) -> None:
@@ -201,15 +201,74 @@ def _record(owner: nn.Module, name: str, reason: Optional[str], x: torch.Tensor)
                 logger.info(msg)
 
 
-class _FusedBase(nn.Module):
+def run_blocks(blocks: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """Run consecutive residual blocks, handing each fused block's output statistics to the next.
+
+    When a fused block is followed by another fused block whose bn1 normalizes with batch
+    statistics, the last conv's epilogue of the first computes them (together with the residual
+    add), so the second runs no statistics pass over its input. Blocks that are not fused, or that
+    carry forward hooks (which must see a plain ``block(x)`` call), are called normally and break
+    the chain. Same result as ``for b in blocks: x = b(x)``.
+
+    Args:
+        blocks: modules mapping (N, C, H, W) → (N, C', H', W'), e.g. a stage's ``nn.Sequential``.
+        x: the first block's input.
+    """
+    hooked = bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+    chained = [
+        isinstance(b, (FusedPreActBlock, FusedPreActBottleneck)) and not (hooked or b._forward_hooks or b._forward_pre_hooks)
+        for b in blocks
+    ]
+    stats = None
+    for i, blk in enumerate(blocks):
+        if not chained[i]:
+            x, stats = blk(x), None
+            continue
+        want = i + 1 < len(blocks) and chained[i + 1] and bn_mode(blocks[i + 1].bn1).kind == BATCH
+        x, stats = blk._run(x, stats, want)
+    return x
+
+
+class FusedModuleBase(nn.Module):
+    """Common state of the fused modules: the requested backend, what ran last and why, and the
+    per-input-signature caches (plans, chain structures), cleared whenever the module's parameters
+    move or change dtype (``_apply``: ``.to()``, ``.cuda()``, ``.half()`` …)."""
+
     def __init__(self, backend: str):
         super().__init__()
-        self.backend = backend
-        self.last_backend: Optional[str] = None
-        self.fallback_reason: Optional[str] = None
+        init_fused_state(self, backend)
+
+    def _apply(self, fn, recurse=True):
+        self._plans.clear()
+        self._specs.clear()
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
-        return f"backend={self.backend!r}"
+        return describe_backend(self)
+
+
+def init_fused_state(module: nn.Module, backend: str) -> None:
+    """Give ``module`` the attributes the fused paths read and write (``backend``, ``last_backend``,
+    ``fallback_reason``, plan caches)."""
+    module.backend = backend
+    module.last_backend = None
+    module.fallback_reason = None
+    module._plans = PlanCache()
+    module._specs = PlanCache()
+
+
+def describe_backend(module: nn.Module) -> str:
+    """``backend='auto', runs='triton'`` — which path the module's forward takes for an input on its
+    parameters' device and dtype (under no autocast), or why it falls back: what ``repr`` shows."""
+    p = next(module.parameters(), None)
+    device, dtype = (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
+    probe = torch.empty(1, device=device, dtype=dtype).expand(1, 8, 1, 1)
+    try:
+        choice = select_backend(module.backend, probe)
+        runs = choice.name if choice.reason is None else f"{choice.name} ({choice.reason})"
+    except (RuntimeError, ValueError) as e:
+        runs = f"error: {e}"
+    return f"backend={module.backend!r}, runs={runs!r}"
 
 
 def _bn(c, eps, momentum, affine=True, track_running_stats=True, **kw):
@@ -267,58 +326,7 @@ def build_bottleneck_layers(block: nn.Module, in_planes: int, planes: int, strid
     )
 
 
-def _block_forward(block: nn.Module, x: torch.Tensor, units: list[tuple[nn.BatchNorm2d, nn.Conv2d]],
-                   x_stats: Optional[tuple[torch.Tensor, torch.Tensor]] = None, want_stats: bool = False):
-    """A pre-activation block ``x + conv_n(…relu(bn_1(x))…)`` (shortcut: ``block.shortcut`` on the
-    pre-activation, or the raw x). Each conv's epilogue computes the statistics of the next BN's
-    input (when that BN uses batch statistics), and the last conv's epilogue adds the shortcut.
-
-    ``x_stats``: x's (mean, var) from the previous block's epilogue, or None. Returns the output
-    and, with ``want_stats``, its (mean, var) (None where the path cannot provide them)."""
-    first_bn, first_conv = units[0]
-    convs = [first_conv] + ([block.shortcut] if block.shortcut is not None else [])
-    outs, stats = fused_bn_relu_convs_chained(
-        block, x, first_bn, convs, batch_mean_var=x_stats, want_stats=_needs_batch_stats(units[1][0])
-    )
-    out, sc = outs[0], (outs[1] if block.shortcut is not None else x)
-    for i, (bn, conv) in enumerate(units[1:], start=1):
-        last = i == len(units) - 1
-        want = want_stats if last else _needs_batch_stats(units[i + 1][0])
-        (out,), stats = fused_bn_relu_convs_chained(
-            block, out, bn, [conv], batch_mean_var=stats, residual=sc if last else None, want_stats=want
-        )
-    return out, stats
-
-
-def run_blocks(blocks: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
-    """Run consecutive residual blocks, handing each fused block's output statistics to the next.
-
-    When a fused block is followed by another fused block whose bn1 normalizes with batch
-    statistics, the last conv's epilogue of the first computes them (together with the residual
-    add), so the second runs no statistics pass over its input. Blocks that are not fused, or that
-    carry forward hooks (which must see a plain ``block(x)`` call), are called normally and break
-    the chain. Same result as ``for b in blocks: x = b(x)``.
-
-    Args:
-        blocks: modules mapping (N, C, H, W) → (N, C', H', W'), e.g. a stage's ``nn.Sequential``.
-        x: the first block's input.
-    """
-    hooked = bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
-    chained = [
-        isinstance(b, (FusedPreActBlock, FusedPreActBottleneck)) and not (hooked or b._forward_hooks or b._forward_pre_hooks)
-        for b in blocks
-    ]
-    stats = None
-    for i, blk in enumerate(blocks):
-        if not chained[i]:
-            x, stats = blk(x), None
-            continue
-        want = i + 1 < len(blocks) and chained[i + 1] and _needs_batch_stats(blocks[i + 1].bn1)
-        x, stats = _block_forward(blk, x, blk._units(), stats, want)
-    return x
-
-
-class FusedBNReLUConv2d(_FusedBase):
+class FusedBNReLUConv2d(FusedModuleBase):
     """BatchNorm2d → ReLU → Conv2d as one fused module (a pre-activation unit's basic step).
 
     Args:
@@ -365,16 +373,17 @@ class FusedBNReLUConv2d(_FusedBase):
     def from_modules(cls, bn: nn.BatchNorm2d, conv: nn.Conv2d, backend: str = "auto") -> "FusedBNReLUConv2d":
         """Wrap existing ``bn`` and ``conv`` modules (shared, not copied) into a fused module."""
         mod = cls.__new__(cls)
-        _FusedBase.__init__(mod, backend)
+        nn.Module.__init__(mod)
+        init_fused_state(mod, backend)
         mod.bn = bn
         mod.conv = conv
         return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused_bn_relu_convs(self, x, self.bn, [self.conv])[0]
+        return run_units(self, x, [(self.bn, self.conv)])[0]
 
 
-class FusedPreActBlock(_FusedBase):
+class FusedPreActBlock(FusedModuleBase):
     """Full pre-activation basic block (He et al. 2016, Fig. 4(e)): ``x + conv2(relu(bn2(conv1(relu(bn1(x))))))``.
 
     Args:
@@ -404,11 +413,17 @@ class FusedPreActBlock(_FusedBase):
     def _units(self) -> list[tuple[nn.BatchNorm2d, nn.Conv2d]]:
         return [(self.bn1, self.conv1), (self.bn2, self.conv2)]
 
+    def _run(self, x, in_stats=None, want_stats=False):
+        out, _, stats = run_units(self, x, self._units(), proj=self.shortcut,
+                                  residual=None if self.shortcut is not None else "input",
+                                  in_stats=in_stats, want_stats=want_stats)
+        return out, stats
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _block_forward(self, x, self._units())[0]
+        return self._run(x)[0]
 
 
-class FusedPreActBottleneck(_FusedBase):
+class FusedPreActBottleneck(FusedModuleBase):
     """Full pre-activation bottleneck block (He et al. 2016, Fig. 4(e); expansion 4).
 
     ``x + conv3(relu(bn3(conv2(relu(bn2(conv1(relu(bn1(x)))))))))`` with conv1 1×1, conv2 3×3
@@ -433,8 +448,10 @@ class FusedPreActBottleneck(_FusedBase):
     def _units(self) -> list[tuple[nn.BatchNorm2d, nn.Conv2d]]:
         return [(self.bn1, self.conv1), (self.bn2, self.conv2), (self.bn3, self.conv3)]
 
+    _run = FusedPreActBlock._run
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _block_forward(self, x, self._units())[0]
+        return self._run(x)[0]
 
 
 def convert_sync_batchnorm(model: nn.Module, process_group=None) -> nn.Module:

@@ -1,57 +1,65 @@
-"""``torch.library.opcheck`` on the custom ops: schema, fake (meta) impls, autograd registration, AOT dispatch."""
+"""``torch.library.opcheck`` on the custom ops of the compile path: schema, fake (meta) impls, autograd
+registration, AOT dispatch (``fused_preact.ops.library``)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 from torch.library import opcheck
 
-import fused_preact  # noqa: F401  (registers the ops)
 from conftest import DEVICE
+from fused_preact import FusedBNReLUConv2d, FusedPreActBlock
+from fused_preact.modules import _spec, _tensors, bn_mode
+from fused_preact.ops.library import encode_key
 
 OPS = torch.ops.fused_preact
 
 
-def _args(channels_last: bool, batch_stats: bool, bias: bool):
+def _op_args(module, units, proj, residual, channels_last: bool, train: bool):
+    """(x, tensors, floats, key) of ``chain_forward`` for ``module``'s chain, as the compile path builds them."""
     torch.manual_seed(0)
-    x = torch.randn(2, 6, 7, 5, device=DEVICE)
+    module.train(train)
+    x = torch.randn(2, units[0][0].num_features, 7, 5, device=DEVICE)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     x.requires_grad_()
-    w = torch.randn(8, 3, 3, 3, device=DEVICE, requires_grad=True)
-    b = torch.randn(8, device=DEVICE, requires_grad=True) if bias else None
-    mean = torch.randn(6, device=DEVICE)
-    invstd = torch.rand(6, device=DEVICE) + 0.5
-    gamma = torch.rand(6, device=DEVICE, requires_grad=True)
-    beta = torch.randn(6, device=DEVICE, requires_grad=True)
-    return x, w, b, mean, invstd, gamma, beta, [2, 1], [1, 2], [1, 2], 2, batch_stats, "triton"
+    spec = _spec(module, units, proj, "add", residual)
+    modes = tuple(dataclasses.replace(bn_mode(bn), update=False) for bn, _ in units)
+    t = _tensors(units, proj, None, modes)
+    tensors = []
+    floats = []
+    for i in range(len(units)):
+        tensors += [t.weights[i], t.biases[i], t.gammas[i], t.betas[i], t.running_means[i], t.running_vars[i]]
+        floats += [float(t.momenta[i] or 0.0), float(t.eps[i])]
+    tensors += [t.proj_weight, None, None, None]
+    tensors = [v if v is not None else x.new_empty(0) for v in tensors]
+    return x, tensors, floats, encode_key(spec, modes, x.dtype, None)
+
+
+def _block(train):
+    b = FusedPreActBlock(4, 8, stride=2, backend="triton").to(DEVICE)
+    return b, b._units(), b.shortcut, "none"
+
+
+def _unit(train):
+    m = FusedBNReLUConv2d(4, 6, 3, padding=1, bias=True, backend="triton").to(DEVICE)
+    return m, [(m.bn, m.conv)], None, "none"
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
-@pytest.mark.parametrize("batch_stats", [True, False], ids=["train", "eval"])
-def test_bn_relu_conv2d(channels_last, batch_stats):
-    opcheck(OPS.bn_relu_conv2d.default, _args(channels_last, batch_stats, bias=batch_stats))
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("build", [_block, _unit], ids=["block", "unit"])
+def test_chain_forward(build, train, channels_last):
+    module, units, proj, residual = build(train)
+    opcheck(OPS.chain_forward.default, _op_args(module, units, proj, residual, channels_last, train))
 
 
-def test_bn_relu_conv2d_backward():
-    x, w, b, mean, invstd, gamma, beta, *conv, batch_stats, backend = _args(True, True, True)
-    y = OPS.bn_relu_conv2d(x, w, b, mean, invstd, gamma, beta, *conv, batch_stats, backend)
-    dy = torch.randn_like(y)
-    args = (dy, x.detach(), w.detach(), mean, invstd, gamma.detach(), beta.detach(), *conv, batch_stats, True, backend)
-    opcheck(OPS.bn_relu_conv2d_backward.default, args)
-
-
-def test_batch_stats():
-    opcheck(OPS.batch_stats.default, (torch.randn(3, 5, 4, 6, device=DEVICE),))
-
-
-@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
-@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
-def test_bn_relu_conv2d_stats(channels_last, residual):
-    x, w, b, mean, invstd, gamma, beta, stride, padding, dilation, groups, batch_stats, backend = _args(
-        channels_last, True, bias=residual
-    )
-    y = OPS.bn_relu_conv2d(x, w, b, mean, invstd, gamma, beta, stride, padding, dilation, groups, True, backend)
-    r = torch.randn(y.shape, device=DEVICE, requires_grad=True) if residual else None
-    opcheck(OPS.bn_relu_conv2d_stats.default,
-            (x, w, b, mean, invstd, gamma, beta, r, stride, padding, dilation, groups, batch_stats, backend))
+def test_chain_backward():
+    module, units, proj, residual = _block(True)
+    x, tensors, floats, key = _op_args(module, units, proj, residual, True, True)
+    outs = OPS.chain_forward(x, tensors, floats, key)
+    dy = torch.randn_like(outs[0])
+    args = (dy, None, x.detach(), [o.detach() for o in outs[3:]], outs[2].detach(), [t.detach() for t in tensors], key)
+    opcheck(OPS.chain_backward.default, args)

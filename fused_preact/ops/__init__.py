@@ -1,26 +1,22 @@
-"""Fused ops: per-channel batch statistics and BN→ReLU→Conv2d (Triton kernels + custom ops)."""
+"""The op layer: fused BN→ReLU→Conv chains, their backends, statistics, and the functional API.
 
+    bn_relu_conv2d, bn_relu_conv2d_reference    one unit, ``F.batch_norm`` + ``F.conv2d`` arguments
+    batch_stats, batch_stats_reference          per-channel (mean, biased var) in fp32
+    ChainSpec, ConvGeom, BNMode, ChainTensors   what a chain computes (ops.chain_spec)
+    run_chain, select_backend, BACKENDS         running a chain on a backend (ops.backends)
+
+Layering: modules → ops → kernels (``_conv_kernels``, ``_bn_kernels``); nothing here imports the
+modules, models or the dispatch report.
+"""
+
+from fused_preact.ops.backends import BACKENDS, PRIORITY, BackendChoice, PlanCache, run_chain, select_backend
+from fused_preact.ops.bn_relu_conv import bn_relu_conv2d, bn_relu_conv2d_reference
+from fused_preact.ops.chain import ChainResult
+from fused_preact.ops.chain_spec import BATCH, EXTERNAL, RUNNING, BNMode, ChainSpec, ChainTensors, ConvGeom, StatsHandoff
 from fused_preact.ops.stats import batch_stats, batch_stats_reference
-from fused_preact.ops.bn_relu_conv import (
-    BNStats,
-    bn_relu_conv2d,
-    bn_relu_conv2d_reference,
-    bn_relu_conv2d_with_stats,
-    bn_relu_conv2d_with_stats_out,
-    bn_statistics,
-    check_inputs,
-    check_training_batch,
-)
 
 __all__ = [
-    "BNStats",
-    "batch_stats",
-    "batch_stats_reference",
-    "bn_relu_conv2d",
-    "bn_relu_conv2d_reference",
-    "bn_relu_conv2d_with_stats",
-    "bn_relu_conv2d_with_stats_out",
-    "bn_statistics",
-    "check_inputs",
-    "check_training_batch",
+    "BACKENDS", "PRIORITY", "BackendChoice", "PlanCache", "run_chain", "select_backend",
+    "bn_relu_conv2d", "bn_relu_conv2d_reference", "batch_stats", "batch_stats_reference",
+    "ChainResult", "ChainSpec", "ConvGeom", "BNMode", "ChainTensors", "StatsHandoff", "BATCH", "RUNNING", "EXTERNAL",
 ]

@@ -1,32 +1,70 @@
-"""Helpers shared by the op files: Triton import, layout conversion, dot dtypes, output shapes."""
+"""Helpers shared by the op files: the Triton import and mode, argument normalization, output sizes,
+memory-format rules and dtype mappings. Imports nothing else of the package."""
 
 from __future__ import annotations
 
-import torch
-import triton
-import triton.language as tl
+from typing import Optional, Sequence, Union
 
-__all__ = ["triton", "tl", "as_nhwc", "wants_channels_last", "conv_out_size", "dot_dtype", "interpreting"]
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the package requires triton; kept so the report can say why
+    triton = tl = None
+
+__all__ = [
+    "triton", "tl", "triton_mode", "interpreting", "pair", "conv_out_size", "wants_channels_last",
+    "nhwc_strides", "dot_dtype", "input_precision", "compute_dtype", "IntOr2",
+]
+
+IntOr2 = Union[int, Sequence[int]]
+
+_TRITON_MODE: Optional[str] = None
+
+
+@torch.compiler.assume_constant_result
+def triton_mode() -> str:
+    """How Triton kernels can run in this process.
+
+    Returns:
+        ``"missing"`` if ``triton`` cannot be imported, ``"interpreter"`` if its interpreter is active
+        (``TRITON_INTERPRET=1`` was set before triton was first imported; kernels then run on CPU
+        tensors only), otherwise ``"compiled"`` (CUDA tensors only). Fixed for the life of the
+        process, so ``torch.compile`` treats it as a constant.
+    """
+    global _TRITON_MODE
+    if _TRITON_MODE is None:
+        if triton is None:
+            _TRITON_MODE = "missing"
+        else:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            @triton.jit
+            def _probe(x):
+                pass
+
+            _TRITON_MODE = "interpreter" if isinstance(_probe, InterpretedFunction) else "compiled"
+    return _TRITON_MODE
 
 
 def interpreting() -> bool:
     """True when the Triton kernels run under Triton's CPU interpreter."""
-    from fused_preact.dispatch import triton_mode
-
     return triton_mode() == "interpreter"
 
 
-def as_nhwc(x: torch.Tensor) -> torch.Tensor:
-    """(N, C, H, W) tensor → contiguous (N, H, W, C) tensor; free for channels_last input, a copy otherwise."""
-    return x.permute(0, 2, 3, 1).contiguous()
+def pair(v: IntOr2, name: str) -> tuple[int, int]:
+    """``F.conv2d``-style int-or-pair argument as a pair of ints.
 
-
-def wants_channels_last(x: torch.Tensor) -> bool:
-    """Whether an op's output should be channels_last: exactly when ``x`` is channels_last and not NCHW-contiguous.
-
-    The real and fake implementations both use this rule, so their output strides agree.
+    Raises:
+        ValueError: ``v`` is a sequence whose length is not 2.
     """
-    return x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    if isinstance(v, int):
+        return (v, v)
+    v = tuple(int(i) for i in v)
+    if len(v) != 2:
+        raise ValueError(f"fused_preact: expected {name} to be an int or a pair of ints, got {list(v)}")
+    return v
 
 
 def conv_out_size(size: int, kernel: int, stride: int, padding: int, dilation: int) -> int:
@@ -34,15 +72,30 @@ def conv_out_size(size: int, kernel: int, stride: int, padding: int, dilation: i
     return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
 
 
-_DOT = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+def wants_channels_last(x: torch.Tensor) -> bool:
+    """Whether an op's output should be channels_last: exactly when ``x`` is channels_last and not
+    NCHW-contiguous (the real and fake implementations share this rule, so their strides agree)."""
+    return x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
+def nhwc_strides(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """The (n, h, w, c) element strides of a logical (N, C, H, W) tensor, whatever its memory format."""
+    sn, sc, sh, sw = t.stride()
+    return sn, sh, sw, sc
+
+
+_DOT = None
 
 
 def dot_dtype(dtype: torch.dtype):
-    """Operand dtype for ``tl.dot``: the input dtype, except bf16 under the interpreter.
+    """Operand dtype for ``tl.dot`` given the compute dtype: the same, except bf16 under the interpreter.
 
-    Triton's interpreter (seen with triton 3.9) returns wrong ``tl.dot`` results for bf16
-    operands, so there bf16 tiles are upcast to fp32 before the dot; compiled GPU kernels use bf16.
+    Triton's interpreter (seen with triton 3.9) returns wrong ``tl.dot`` results for bf16 operands,
+    so there bf16 tiles are upcast to fp32 before the dot; compiled GPU kernels use bf16.
     """
+    global _DOT
+    if _DOT is None:
+        _DOT = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
     if dtype == torch.bfloat16 and interpreting():
         return tl.float32
     return _DOT[dtype]
@@ -53,3 +106,15 @@ def input_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and torch.backends.cudnn.allow_tf32 and not interpreting():
         return "tf32"
     return "ieee"
+
+
+_AUTOCASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a convolution on ``x`` runs in: the autocast dtype of x's device type when autocast
+    is enabled there and x is a castable float (as ``F.conv2d`` under ``torch.autocast``), else x's."""
+    dev = x.device.type
+    if x.dtype in _AUTOCASTABLE and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype

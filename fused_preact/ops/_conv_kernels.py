@@ -1,239 +1,387 @@
-"""Triton kernels of the fused BN→ReLU→Conv op (NHWC implicit GEMM, fp32 accumulation).
+"""Triton kernels of the fused BN→ReLU→Conv2d: fprop, dgrad and wgrad as implicit GEMMs (fp32 accumulation).
 
-Layouts (all contiguous):
-    x       (N, H, W, C)        activation, the BN input
-    y, dy   (N, P, Q, K)        conv output and its gradient
-    w_f     (R, S, C/g, K)      weight for fprop        (w_f[r, s, c, k] = weight[k, c, r, s])
-    w_d     (R, S, K, C/g)      weight for dgrad        (w_d[r, s, k, c] = weight[k, c, r, s])
-    scale, shift, mean, invstd  (C,) fp32
+Every kernel walks its whole reduction — filter taps × channel chunks — as ONE flat loop, so Triton
+software-pipelines it (``num_stages``): the loads of iteration i+1.. are in flight while iteration i
+transforms its tile and feeds the tensor cores. Geometry (channels, kernel size, stride, padding,
+dilation, spatial sizes) is ``tl.constexpr``: index arithmetic folds to multiply-shifts, trip counts are
+static. Only the batch-dependent row count ``M`` and the tensors' strides are runtime values (Triton
+specializes a stride equal to 1 and 16-divisible strides, which is what turns channels_last loads
+into 16-byte vector loads).
 
-Every kernel that reads x turns it into ``a = max(x·scale + shift, 0)`` in registers and zeroes the
-conv's padded positions *after* the transform (a padded ``a`` is 0, not ``relu(shift)``).
-Offsets that scale with the activation size are computed in int64.
+Tensors (logical shapes; every activation is addressed through its (n, h, w, c) strides, so NCHW and
+channels_last inputs and expanded gradients are read in place):
+    x         (N, H, W, C)   BN input of the conv            w   (K, C/groups, R, S) weight, any strides
+    y, dy     (N, P, Q, K)   conv output / its gradient      pack (5, C) fp32: mean, var, invstd, scale, shift
+    part      (tiles, 2, K)  fp32 per-tile (mean, M2) of y   psum (tiles, 2, C) fp32 per-tile (Σdz, Σdz·x̂)
+
+The pre-activation is ``a = relu(x·scale + shift)`` with PyTorch's NaN semantics (``relu(NaN) = NaN``,
+``relu(-inf) = 0``), and the conv's padded taps are zeros of ``a`` — masked after the transform
+(a padded ``a`` is 0, not ``relu(shift)``). ReLU's backward mask is ``threshold_backward``'s
+``a <= 0 → 0``, so a NaN activation passes its gradient, as in eager PyTorch.
+
+Source of the dataflow: docs/design.md; semantics: ``F.batch_norm`` → ``F.relu`` → ``F.conv2d``.
 """
 
 from __future__ import annotations
 
+from fused_preact.ops._bn_kernels import tile_mean_m2
 from fused_preact.ops._common import tl, triton
+
+# Rows of a pack: per-channel fp32 vectors of one BatchNorm, written by the finalize kernel.
+PACK_MEAN, PACK_VAR, PACK_INVSTD, PACK_SCALE, PACK_SHIFT = 0, 1, 2, 3, 4
+PACK_ROWS = 5
+
+
+@triton.jit
+def _relu_nan(z):
+    """``relu`` keeping NaN (``tl.maximum(z, 0)`` would return 0 for NaN)."""
+    return tl.where(z < 0.0, 0.0, z)
+
+
+@triton.jit
+def _preact_tile(x_ptr, rows, chans, mask, sxc, pack_ptr, pchan, C: tl.constexpr):
+    """Load x[rows, chans] (row offsets ``rows``, channel stride ``sxc``) and return
+    ``relu(x·scale + shift)`` in fp32, zero where ``mask`` is False (padding, tails)."""
+    xt = tl.load(x_ptr + rows[:, None] + chans[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
+    sc = tl.load(pack_ptr + 3 * C + pchan)
+    sh = tl.load(pack_ptr + 4 * C + pchan)
+    a = _relu_nan(xt * sc[None, :] + sh[None, :])
+    return tl.where(mask, a, 0.0)
 
 
 @triton.jit
 def _fprop_kernel(
-    x_ptr, w_ptr, bias_ptr, scale_ptr, shift_ptr, y_ptr, res_ptr, part_mean_ptr, part_m2_ptr,
-    N, H, W, C, P, Q, K, Cg, Kg,
-    stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-    R: tl.constexpr, S: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, STATS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, sxn, sxh, sxw, sxc,
+    w_ptr, swk, swc, swr, sws,
+    pack_ptr, bias_ptr,
+    xin_ptr, sin_n, sin_h, sin_w, sin_c,
+    w2_ptr, sw2k, sw2c, pack2_ptr,
+    y_ptr, syn, syh, syw, syc,
+    part_ptr,
+    M,
+    H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, P: tl.constexpr, Q: tl.constexpr, K: tl.constexpr,
+    GROUPS: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+    STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
+    DIL_H: tl.constexpr, DIL_W: tl.constexpr,
+    H2: tl.constexpr, W2: tl.constexpr, C2: tl.constexpr, STRIDE2: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_RES: tl.constexpr, STATS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
 ):
-    """y[m, k] = Σ_{r,s,c} relu(x[pix(m,r,s), c]·scale[c] + shift[c]) · w_f[r, s, c, k] (+ bias[k]) (+ res[m, k]).
+    """``y[m, k] = Σ_{r,s,c} relu(x[pix(m,r,s), c]·scale[c] + shift[c]) · w[k, c, r, s]`` (+ bias[k]).
 
-    Epilogue options: HAS_RES adds a residual tensor of y's shape (the block's shortcut); STATS
-    writes the tile's per-channel mean and M2 of the stored (rounded) y into row ``pid_m`` of the
-    (num_m_tiles, K) fp32 buffers — the partial BN statistics of the *next* BatchNorm, so no separate
-    statistics pass has to read y again (combined by ``stats._stats_combine_kernel``).
+    Options: HAS_PROJ adds a second GEMM into the same accumulator — a 1×1, stride-``STRIDE2``
+    projection shortcut ``w2`` (K, C2) over the pre-activation of the chain input ``xin`` (its own
+    ``pack2``), so the shortcut's output is never stored; HAS_RES adds ``xin`` itself (identity
+    shortcut) in the epilogue; STATS writes the tile's per-channel mean and M2 of the stored (rounded)
+    y into row ``pid_m`` of ``part`` — the partial statistics of the next BatchNorm.
+    Grid: (cdiv(M, BLOCK_M), cdiv(K/GROUPS, BLOCK_N), GROUPS).
     """
+    Cg: tl.constexpr = C // GROUPS
+    Kg: tl.constexpr = K // GROUPS
+    NUM_CK: tl.constexpr = (Cg + BLOCK_K - 1) // BLOCK_K
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < N * P * Q
+    m_mask = offs_m < M
     n_mask = offs_n < Kg
     k_out = g * Kg + offs_n
     q = offs_m % Q
-    t = offs_m // Q
-    p = t % P
-    nb = (t // P).to(tl.int64)
-    ih0 = p * stride_h - pad_h
-    iw0 = q * stride_w - pad_w
+    p = (offs_m // Q) % P
+    nb = offs_m // (P * Q)
+    if IDX64:
+        nb = nb.to(tl.int64)
+    ih0 = p * STRIDE_H - PAD_H
+    iw0 = q * STRIDE_W - PAD_W
+    base = nb * sxn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for r in range(R):
-        for s in range(S):
-            ih = ih0 + r * dil_h
-            iw = iw0 + s * dil_w
-            valid = m_mask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            pix = ((nb * H + ih) * W + iw) * C
-            for c0 in range(0, Cg, BLOCK_K):
-                offs_c = c0 + tl.arange(0, BLOCK_K)
-                c_mask = offs_c < Cg
-                c_in = g * Cg + offs_c
-                amask = valid[:, None] & c_mask[None, :]
-                xt = tl.load(x_ptr + pix[:, None] + c_in[None, :], mask=amask, other=0.0).to(tl.float32)
-                sc = tl.load(scale_ptr + c_in, mask=c_mask, other=0.0)
-                sh = tl.load(shift_ptr + c_in, mask=c_mask, other=0.0)
-                a = tl.maximum(xt * sc[None, :] + sh[None, :], 0.0)
-                a = tl.where(amask, a, 0.0)
-                w_offs = ((r * S + s) * Cg + offs_c[:, None]).to(tl.int64) * K + k_out[None, :]
-                wt = tl.load(w_ptr + w_offs, mask=c_mask[:, None] & n_mask[None, :], other=0.0)
-                acc = tl.dot(a.to(DOT_DTYPE), wt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + k_out, mask=n_mask, other=0.0).to(tl.float32)
-        acc += b[None, :]
-    y_offs = offs_m.to(tl.int64)[:, None] * K + k_out[None, :]
+    for t in range(R * S * NUM_CK):
+        rs = t // NUM_CK
+        c0 = (t - rs * NUM_CK) * BLOCK_K
+        r = rs // S
+        s = rs - r * S
+        ih = ih0 + r * DIL_H
+        iw = iw0 + s * DIL_W
+        valid = m_mask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        offs_c = c0 + tl.arange(0, BLOCK_K)
+        c_mask = offs_c < Cg
+        c_in = g * Cg + offs_c
+        a = _preact_tile(x_ptr, base + ih * sxh + iw * sxw, c_in, valid[:, None] & c_mask[None, :], sxc,
+                         pack_ptr, tl.where(c_mask, c_in, 0), C)
+        wt = tl.load(w_ptr + k_out[None, :] * swk + offs_c[:, None] * swc + r * swr + s * sws,
+                     mask=c_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a.to(DOT_DTYPE), wt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
+    if HAS_PROJ:
+        # Projection shortcut: 1×1, stride STRIDE2, no padding, on the chain input (groups == 1).
+        row2 = nb * sin_n + (p * STRIDE2) * sin_h + (q * STRIDE2) * sin_w
+        for c0 in range(0, C2, BLOCK_K2):
+            offs_c = c0 + tl.arange(0, BLOCK_K2)
+            c_mask = offs_c < C2
+            a2 = _preact_tile(xin_ptr, row2, offs_c, m_mask[:, None] & c_mask[None, :], sin_c,
+                              pack2_ptr, tl.where(c_mask, offs_c, 0), C2)
+            wt2 = tl.load(w2_ptr + k_out[None, :] * sw2k + offs_c[:, None] * sw2c,
+                          mask=c_mask[:, None] & n_mask[None, :], other=0.0)
+            acc = tl.dot(a2.to(DOT_DTYPE), wt2.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
     y_mask = m_mask[:, None] & n_mask[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + k_out, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_RES:
-        acc += tl.load(res_ptr + y_offs, mask=y_mask, other=0.0).to(tl.float32)
+        rrow = nb * sin_n + p * sin_h + q * sin_w
+        acc += tl.load(xin_ptr + rrow[:, None] + k_out[None, :] * sin_c, mask=y_mask, other=0.0).to(tl.float32)
+    yrow = nb * syn + p * syh + q * syw
     yv = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + y_offs, yv, mask=y_mask)
-    if STATS:
-        # Corrected two-pass over the tile's valid rows (as stats._stats_partial_kernel).
-        v = tl.where(y_mask, yv.to(tl.float32), 0.0)
-        count = tl.minimum(N * P * Q - pid_m * BLOCK_M, BLOCK_M).to(tl.float32)
-        mean0 = tl.sum(v, axis=0) / count
-        d = tl.where(y_mask, v - mean0[None, :], 0.0)
-        s1 = tl.sum(d, axis=0)
-        m2 = tl.maximum(tl.sum(d * d, axis=0) - s1 * s1 / count, 0.0)
-        part = pid_m.to(tl.int64) * K + k_out
-        tl.store(part_mean_ptr + part, mean0 + s1 / count, mask=n_mask)
-        tl.store(part_m2_ptr + part, m2, mask=n_mask)
+    tl.store(y_ptr + yrow[:, None] + k_out[None, :] * syc, yv, mask=y_mask)
+    if STATS:  # statistics of the stored (rounded) values: what the next BatchNorm reads
+        tile_mean_m2(yv.to(tl.float32), y_mask, tl.minimum(M - pid_m * BLOCK_M, BLOCK_M),
+                     part_ptr + pid_m.to(tl.int64) * (2 * K) + k_out, n_mask, K)
 
 
 @triton.jit
 def _dgrad_kernel(
-    dy_ptr, w_ptr, x_ptr, scale_ptr, shift_ptr, mean_ptr, invstd_ptr,
-    out_ptr, psum_dz_ptr, psum_dzx_ptr,
-    N, H, W, C, P, Q, K, Cg, Kg,
-    stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-    R: tl.constexpr, S: tl.constexpr, WRITE_DX: tl.constexpr, NEED_SUMS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    dy_ptr, sdn, sdh, sdw, sdc,
+    w_ptr, swk, swc, swr, sws,
+    dy2_ptr, sd2n, sd2h, sd2w, sd2c,
+    w2_ptr, sw2k, sw2c,
+    x_ptr, sxn, sxh, sxw, sxc,
+    pack_ptr,
+    out_ptr, son, soh, sow, soc,
+    res_ptr, srn, srh, srw, src,
+    psum_ptr,
+    M,
+    H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, P: tl.constexpr, Q: tl.constexpr, K: tl.constexpr,
+    GROUPS: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+    STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
+    DIL_H: tl.constexpr, DIL_W: tl.constexpr,
+    P2: tl.constexpr, Q2: tl.constexpr, K2: tl.constexpr, STRIDE2: tl.constexpr,
+    HAS_PROJ: tl.constexpr, WRITE_DX: tl.constexpr, HAS_RES: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
 ):
-    """da = dgrad(dy, W); epilogue: dz = da·[x·scale+shift > 0], per-tile Σdz and Σdz·x̂.
+    """``da[m, c] = Σ_{r,s,k} dy[pix⁻¹(m,r,s), k] · w[k, c, r, s]``; epilogue: the ReLU mask recomputed
+    from x, ``dz = da·[x·scale + shift > 0]`` (threshold_backward: a NaN activation passes), and the
+    tile's column sums Σdz, Σdz·x̂ into row ``pid_m`` of ``psum``.
 
-    Stores dz (training) or dx = scale·dz (WRITE_DX, eval mode) into ``out``, and, if NEED_SUMS,
-    the tile's column sums into row ``pid_m`` of the (num_m_tiles, C) fp32 partial buffers.
+    Stores ``dz`` (training: the dx pass finishes BN's backward) or, with WRITE_DX (eval mode or
+    externally given statistics), ``dx = scale·dz`` plus, with HAS_RES, the gradient ``res`` that
+    reaches x through an identity shortcut. HAS_PROJ adds the dgrad of a 1×1, stride-``STRIDE2``
+    projection shortcut (``dy2``, ``w2`` (K2, C)) to ``da`` before the mask: conv1 and the projection
+    read the same pre-activation. Grid: (cdiv(M, BLOCK_M), cdiv(C/GROUPS, BLOCK_N), GROUPS).
     """
+    Cg: tl.constexpr = C // GROUPS
+    Kg: tl.constexpr = K // GROUPS
+    NUM_KK: tl.constexpr = (Kg + BLOCK_K - 1) // BLOCK_K
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < N * H * W
+    m_mask = offs_m < M
     n_mask = offs_n < Cg
     c_in = g * Cg + offs_n
     wi = offs_m % W
-    t = offs_m // W
-    hi = t % H
-    nb = (t // H).to(tl.int64)
+    hi = (offs_m // W) % H
+    nb = offs_m // (H * W)
+    if IDX64:
+        nb = nb.to(tl.int64)
+    dbase = nb * sdn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for r in range(R):
-        for s in range(S):
-            ph = hi + pad_h - r * dil_h
-            pw = wi + pad_w - s * dil_w
-            ph_ok = ph >= 0
-            pw_ok = pw >= 0
-            ph = tl.where(ph_ok, ph, 0)
-            pw = tl.where(pw_ok, pw, 0)
-            p = ph // stride_h
-            q = pw // stride_w
-            valid = m_mask & ph_ok & pw_ok & (p * stride_h == ph) & (q * stride_w == pw) & (p < P) & (q < Q)
-            row = ((nb * P + p) * Q + q) * K
-            for k0 in range(0, Kg, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_mask = offs_k < Kg
-                k_glob = g * Kg + offs_k
-                dyt = tl.load(dy_ptr + row[:, None] + k_glob[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
-                w_offs = ((r * S + s) * K + k_glob[:, None]).to(tl.int64) * Cg + offs_n[None, :]
-                wt = tl.load(w_ptr + w_offs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                acc = tl.dot(dyt.to(DOT_DTYPE), wt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
+    for t in range(R * S * NUM_KK):
+        rs = t // NUM_KK
+        k0 = (t - rs * NUM_KK) * BLOCK_K
+        r = rs // S
+        s = rs - r * S
+        ph = hi + PAD_H - r * DIL_H
+        pw = wi + PAD_W - s * DIL_W
+        if STRIDE_H == 1:
+            p = ph
+            ok_h = (ph >= 0) & (ph < P)
+        else:
+            phc = tl.where(ph >= 0, ph, 0)
+            p = phc // STRIDE_H
+            ok_h = (ph >= 0) & (p * STRIDE_H == phc) & (p < P)
+        if STRIDE_W == 1:
+            qq = pw
+            ok_w = (pw >= 0) & (pw < Q)
+        else:
+            pwc = tl.where(pw >= 0, pw, 0)
+            qq = pwc // STRIDE_W
+            ok_w = (pw >= 0) & (qq * STRIDE_W == pwc) & (qq < Q)
+        valid = m_mask & ok_h & ok_w
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < Kg
+        k_glob = g * Kg + offs_k
+        dyt = tl.load(dy_ptr + (dbase + p * sdh + qq * sdw)[:, None] + k_glob[None, :] * sdc,
+                      mask=valid[:, None] & k_mask[None, :], other=0.0)
+        wt = tl.load(w_ptr + k_glob[:, None] * swk + offs_n[None, :] * swc + r * swr + s * sws,
+                     mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(dyt.to(DOT_DTYPE), wt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
+    if HAS_PROJ:
+        # 1×1, stride STRIDE2, no padding, groups == 1: only pixels on the stride grid receive gradient.
+        on_grid = m_mask & (hi % STRIDE2 == 0) & (wi % STRIDE2 == 0)
+        row2 = nb * sd2n + (hi // STRIDE2) * sd2h + (wi // STRIDE2) * sd2w
+        for k0 in range(0, K2, BLOCK_K2):
+            offs_k = k0 + tl.arange(0, BLOCK_K2)
+            k_mask = offs_k < K2
+            dyt2 = tl.load(dy2_ptr + row2[:, None] + offs_k[None, :] * sd2c,
+                           mask=on_grid[:, None] & k_mask[None, :], other=0.0)
+            wt2 = tl.load(w2_ptr + offs_k[:, None] * sw2k + offs_n[None, :] * sw2c,
+                          mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc = tl.dot(dyt2.to(DOT_DTYPE), wt2.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
     tile_mask = m_mask[:, None] & n_mask[None, :]
-    x_offs = offs_m.to(tl.int64)[:, None] * C + c_in[None, :]
-    xt = tl.load(x_ptr + x_offs, mask=tile_mask, other=0.0).to(tl.float32)
-    sc = tl.load(scale_ptr + c_in, mask=n_mask, other=0.0)
-    sh = tl.load(shift_ptr + c_in, mask=n_mask, other=0.0)
-    dz = tl.where(tile_mask & (xt * sc[None, :] + sh[None, :] > 0.0), acc, 0.0)
+    pchan = tl.where(n_mask, c_in, 0)
+    xrow = nb * sxn + hi * sxh + wi * sxw
+    xt = tl.load(x_ptr + xrow[:, None] + c_in[None, :] * sxc, mask=tile_mask, other=0.0).to(tl.float32)
+    mu = tl.load(pack_ptr + pchan)
+    istd = tl.load(pack_ptr + 2 * C + pchan)
+    sc = tl.load(pack_ptr + 3 * C + pchan)
+    sh = tl.load(pack_ptr + 4 * C + pchan)
+    z = xt * sc[None, :] + sh[None, :]
+    dz = tl.where(tile_mask & ~(z <= 0.0), acc, 0.0)
+    orow = nb * son + hi * soh + wi * sow
+    optr = out_ptr + orow[:, None] + c_in[None, :] * soc
     if WRITE_DX:
-        tl.store(out_ptr + x_offs, (dz * sc[None, :]).to(out_ptr.dtype.element_ty), mask=tile_mask)
+        dx = dz * sc[None, :]
+        if HAS_RES:
+            rrow = nb * srn + hi * srh + wi * srw
+            dx += tl.load(res_ptr + rrow[:, None] + c_in[None, :] * src, mask=tile_mask, other=0.0).to(tl.float32)
+        tl.store(optr, dx.to(out_ptr.dtype.element_ty), mask=tile_mask)
     else:
-        tl.store(out_ptr + x_offs, dz.to(out_ptr.dtype.element_ty), mask=tile_mask)
-    if NEED_SUMS:
-        mu = tl.load(mean_ptr + c_in, mask=n_mask, other=0.0)
-        istd = tl.load(invstd_ptr + c_in, mask=n_mask, other=0.0)
-        xhat = (xt - mu[None, :]) * istd[None, :]
-        part = pid_m.to(tl.int64) * C + c_in
-        tl.store(psum_dz_ptr + part, tl.sum(dz, axis=0), mask=n_mask)
-        tl.store(psum_dzx_ptr + part, tl.sum(dz * xhat, axis=0), mask=n_mask)
+        dzr = dz.to(out_ptr.dtype.element_ty)
+        tl.store(optr, dzr, mask=tile_mask)
+        dz = dzr.to(tl.float32)  # the sums see exactly what the dx pass will read
+    xhat = tl.where(tile_mask, (xt - mu[None, :]) * istd[None, :], 0.0)
+    prow = psum_ptr + pid_m.to(tl.int64) * (2 * C) + c_in
+    tl.store(prow, tl.sum(dz, axis=0), mask=n_mask)
+    tl.store(prow + C, tl.sum(dz * xhat, axis=0), mask=n_mask)
 
 
 @triton.jit
-def _wgrad_kernel(
-    dy_ptr, x_ptr, scale_ptr, shift_ptr, dw_ptr,
-    N, H, W, C, P, Q, K, Cg, Kg, CHUNK,
-    stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
-    R: tl.constexpr, S: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _wgrad_tile(
+    dy_ptr, sdn, sdh, sdw, sdc, x_ptr, sxn, sxh, sxw, sxc, pack_ptr, dw_ptr, swk, swc, swr, sws,
+    pid, M, CHUNK,
+    H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, P: tl.constexpr, Q: tl.constexpr, K: tl.constexpr,
+    GROUPS: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+    STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
+    DIL_H: tl.constexpr, DIL_W: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """dW[k, c, r, s] = Σ_m dy[m, k] · relu(x[pix(m,r,s), c]·scale[c] + shift[c]), split-K over m.
-
-    Program (pid0, pid1, pid2) covers filter tap (r, s) and output channels [kb·BLOCK_M, …) from
-    pid0, input channels from pid1, group and K-split from pid2. Writes fp32 partials
-    ``dw[split, k, c, r, s]``; the launcher sums the splits in a fixed order (deterministic).
-    """
-    pid0 = tl.program_id(0)
-    pid1 = tl.program_id(1)
-    pid2 = tl.program_id(2)
-    num_kb = tl.cdiv(Kg, BLOCK_M)
-    rs = pid0 // num_kb
-    kb = pid0 % num_kb
+    """One (k-block, c-block, tap, group, split) tile of ``dW[k, c, r, s] = Σ_m dy[m, k] ·
+    relu(x[pix(m,r,s), c]·scale[c] + shift[c])`` over rows ``[split·CHUNK, (split+1)·CHUNK)``: stored in
+    the weight's dtype and strides when SPLIT == 1, else as fp32 partials ``dw[split, k, c, r, s]``."""
+    Cg: tl.constexpr = C // GROUPS
+    Kg: tl.constexpr = K // GROUPS
+    NKB: tl.constexpr = (Kg + BLOCK_M - 1) // BLOCK_M
+    NCB: tl.constexpr = (Cg + BLOCK_N - 1) // BLOCK_N
+    kb = pid % NKB
+    rest = pid // NKB
+    cb = rest % NCB
+    rest = rest // NCB
+    rs = rest % (R * S)
+    rest = rest // (R * S)
+    g = rest % GROUPS
+    split = rest // GROUPS
     r = rs // S
-    s = rs % S
-    g = pid2 // SPLIT
-    split = pid2 % SPLIT
+    s = rs - r * S
     offs_k = kb * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_c = pid1 * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     k_mask = offs_k < Kg
     c_mask = offs_c < Cg
     k_glob = g * Kg + offs_k
     c_in = g * Cg + offs_c
-    sc = tl.load(scale_ptr + c_in, mask=c_mask, other=0.0)
-    sh = tl.load(shift_ptr + c_in, mask=c_mask, other=0.0)
-    m_total = N * P * Q
+    pchan = tl.where(c_mask, c_in, 0)
     start = split * CHUNK
-    end = tl.minimum(start + CHUNK, m_total)
+    end = tl.minimum(start + CHUNK, M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for m0 in range(start, end, BLOCK_K):
-        offs_m = m0 + tl.arange(0, BLOCK_K)
+    for m0 in range(start, end, BLOCK_R):
+        offs_m = m0 + tl.arange(0, BLOCK_R)
         m_mask = offs_m < end
         q = offs_m % Q
-        t = offs_m // Q
-        p = t % P
-        nb = (t // P).to(tl.int64)
-        ih = p * stride_h - pad_h + r * dil_h
-        iw = q * stride_w - pad_w + s * dil_w
+        p = (offs_m // Q) % P
+        nb = offs_m // (P * Q)
+        if IDX64:
+            nb = nb.to(tl.int64)
+        dyt = tl.load(dy_ptr + (nb * sdn + p * sdh + q * sdw)[None, :] + k_glob[:, None] * sdc,
+                      mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+        ih = p * STRIDE_H - PAD_H + r * DIL_H
+        iw = q * STRIDE_W - PAD_W + s * DIL_W
         valid = m_mask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        dy_offs = offs_m.to(tl.int64)[None, :] * K + k_glob[:, None]
-        dyt = tl.load(dy_ptr + dy_offs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-        pix = ((nb * H + ih) * W + iw) * C
-        amask = valid[:, None] & c_mask[None, :]
-        xt = tl.load(x_ptr + pix[:, None] + c_in[None, :], mask=amask, other=0.0).to(tl.float32)
-        a = tl.where(amask, tl.maximum(xt * sc[None, :] + sh[None, :], 0.0), 0.0)
+        a = _preact_tile(x_ptr, nb * sxn + ih * sxh + iw * sxw, c_in, valid[:, None] & c_mask[None, :], sxc,
+                         pack_ptr, pchan, C)
         acc = tl.dot(dyt.to(DOT_DTYPE), a.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
-    out = ((split * K + k_glob[:, None]).to(tl.int64) * Cg + offs_c[None, :]) * (R * S) + r * S + s
-    tl.store(dw_ptr + out, acc, mask=k_mask[:, None] & c_mask[None, :])
+    out_mask = k_mask[:, None] & c_mask[None, :]
+    if SPLIT == 1:
+        optr = dw_ptr + k_glob[:, None] * swk + offs_c[None, :] * swc + r * swr + s * sws
+        tl.store(optr, acc.to(dw_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        flat = ((split * K + k_glob[:, None]).to(tl.int64) * Cg + offs_c[None, :]) * (R * S) + rs
+        tl.store(dw_ptr + flat, acc, mask=out_mask)
 
 
 @triton.jit
-def _dx_kernel(
-    dz_ptr, x_ptr, scale_ptr, mean_ptr, invstd_ptr, sum_dz_ptr, sum_dzx_ptr, dx_ptr,
-    M, C, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+def _wgrad_kernel(
+    dy_ptr, sdn, sdh, sdw, sdc,
+    x_ptr, sxn, sxh, sxw, sxc,
+    pack_ptr,
+    dw_ptr, swk, swc, swr, sws,
+    dy2_ptr, sd2n, sd2h, sd2w, sd2c,
+    dw2_ptr, sw2k, sw2c, sw2r, sw2s,
+    psum_ptr, num_parts, gbeta_ptr, ggamma_ptr, coef_ptr, inv_count,
+    M, CHUNK, NUM_WGRAD, M2, CHUNK2, NUM_WGRAD2,
+    H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, P: tl.constexpr, Q: tl.constexpr, K: tl.constexpr,
+    GROUPS: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+    STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
+    DIL_H: tl.constexpr, DIL_W: tl.constexpr, SPLIT: tl.constexpr,
+    P2: tl.constexpr, Q2: tl.constexpr, K2: tl.constexpr, STRIDE2: tl.constexpr, SPLIT2: tl.constexpr,
+    SUM_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """Training-mode BN backward: dx = scale·(dz − Σdz/M − x̂·Σ(dz·x̂)/M), elementwise over (M, C)."""
-    pid_m = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    mask = (rows < M)[:, None] & cmask[None, :]
-    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
-    dz = tl.load(dz_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    sc = tl.load(scale_ptr + cols, mask=cmask, other=0.0)
-    mu = tl.load(mean_ptr + cols, mask=cmask, other=0.0)
-    istd = tl.load(invstd_ptr + cols, mask=cmask, other=0.0)
-    c1 = tl.load(sum_dz_ptr + cols, mask=cmask, other=0.0) / M
-    c2 = tl.load(sum_dzx_ptr + cols, mask=cmask, other=0.0) / M
-    xhat = (x - mu[None, :]) * istd[None, :]
-    dx = sc[None, :] * (dz - c1[None, :] - xhat * c2[None, :])
-    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    """Three roles in one launch (1-D grid), each needing only what the dgrad launch before it wrote.
+
+    Programs ``[0, NUM_WGRAD)``: :func:`_wgrad_tile` of the conv (x, dy, its geometry).
+    Programs ``[NUM_WGRAD, NUM_WGRAD + NUM_WGRAD2)``: :func:`_wgrad_tile` of a 1×1, stride-STRIDE2
+    projection shortcut reading the same pre-activation (``dy2`` (N, P2, Q2, K2), ``dw2`` (K2, C)).
+    The remaining programs fold the dgrad tiles' partial Σdz, Σdz·x̂ (``num_parts`` rows of ``psum``,
+    in order: deterministic) for BLOCK_C channels each. SUM_MODE 1 (batch statistics): dβ = Σdz and
+    dγ = Σdz·x̂ (in their pointers' dtypes, with HAS_GAMMA) and the dx coefficients
+    ``coef = (Σdz, Σdz·x̂)·inv_count``. SUM_MODE 2 (statistics given from outside, e.g. synchronized
+    BN): dβ, dγ and the gradients of the statistics in ``coef``: ∂L/∂mean = −scale·Σdz,
+    ∂L/∂invstd = γ·Σdz·x̂/invstd. SUM_MODE 0: no sums.
+    """
+    pid = tl.program_id(0)
+    if pid < NUM_WGRAD:
+        _wgrad_tile(dy_ptr, sdn, sdh, sdw, sdc, x_ptr, sxn, sxh, sxw, sxc, pack_ptr, dw_ptr, swk, swc, swr, sws,
+                    pid, M, CHUNK, H, W, C, P, Q, K, GROUPS, R, S, STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W,
+                    SPLIT, DOT_DTYPE, INPUT_PRECISION, IDX64, BLOCK_M, BLOCK_N, BLOCK_R)
+    elif pid < NUM_WGRAD + NUM_WGRAD2:
+        _wgrad_tile(dy2_ptr, sd2n, sd2h, sd2w, sd2c, x_ptr, sxn, sxh, sxw, sxc, pack_ptr,
+                    dw2_ptr, sw2k, sw2c, sw2r, sw2s,
+                    pid - NUM_WGRAD, M2, CHUNK2, H, W, C, P2, Q2, K2, 1, 1, 1, STRIDE2, STRIDE2, 0, 0, 1, 1,
+                    SPLIT2, DOT_DTYPE, INPUT_PRECISION, IDX64, BLOCK_M2, BLOCK_N2, BLOCK_R)
+    elif SUM_MODE != 0:
+        cols = (pid - NUM_WGRAD - NUM_WGRAD2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        s_dz = tl.zeros([BLOCK_C], dtype=tl.float32)
+        s_dzx = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for p0 in range(0, num_parts, BLOCK_P):
+            parts = p0 + tl.arange(0, BLOCK_P)
+            pmask = (parts < num_parts)[:, None] & cmask[None, :]
+            rows = psum_ptr + parts.to(tl.int64)[:, None] * (2 * C) + cols[None, :]
+            s_dz += tl.sum(tl.load(rows, mask=pmask, other=0.0), axis=0)
+            s_dzx += tl.sum(tl.load(rows + C, mask=pmask, other=0.0), axis=0)
+        if HAS_GAMMA:
+            tl.store(gbeta_ptr + cols, s_dz.to(gbeta_ptr.dtype.element_ty), mask=cmask)
+            tl.store(ggamma_ptr + cols, s_dzx.to(ggamma_ptr.dtype.element_ty), mask=cmask)
+        if SUM_MODE == 1:
+            tl.store(coef_ptr + cols, s_dz * inv_count, mask=cmask)
+            tl.store(coef_ptr + C + cols, s_dzx * inv_count, mask=cmask)
+        else:
+            pc = tl.where(cmask, cols, 0)
+            istd = tl.load(pack_ptr + 2 * C + pc)
+            sc = tl.load(pack_ptr + 3 * C + pc)
+            tl.store(coef_ptr + cols, -sc * s_dz, mask=cmask)
+            tl.store(coef_ptr + C + cols, (sc / istd) * s_dzx / istd, mask=cmask)

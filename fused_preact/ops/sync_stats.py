@@ -26,7 +26,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from fused_preact.ops.bn_relu_conv import BNStats
 from fused_preact.ops.stats import batch_stats, batch_stats_reference
 
 __all__ = ["sync_enabled", "sync_bn_statistics"]
@@ -99,7 +98,7 @@ def sync_bn_statistics(
     eps: float,
     process_group=None,
     fused: bool = True,
-) -> BNStats:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch statistics synchronized over ``process_group``, with ``nn.SyncBatchNorm``'s semantics.
 
     Args:
@@ -113,10 +112,9 @@ def sync_bn_statistics(
         fused: local statistics by the Triton kernel (True) or by PyTorch (False, any device/dtype).
 
     Returns:
-        :class:`BNStats` whose ``mean`` and ``invstd`` are differentiable functions of x (their
-        gradients flow back through the collectives) and ``batch_stats=False``: the fused conv then
-        treats them as given and returns ∂L/∂mean, ∂L/∂invstd instead of folding the statistics terms
-        into dx itself.
+        ``(mean, invstd)``, (C,) fp32, differentiable functions of x (their gradients flow back through
+        the collectives): a fused chain takes them as given statistics (``EXTERNAL`` mode) and returns
+        ∂L/∂mean, ∂L/∂invstd instead of folding the statistics terms into dx itself.
 
     Like ``nn.SyncBatchNorm`` with more than one rank, it does not check the global count on the
     host (that would synchronize the device); the caller checks the local batch.
@@ -128,4 +126,4 @@ def sync_bn_statistics(
             unbiased = var * (total / (total - 1).clamp_min(1))
             running_mean.lerp_(mean.detach().to(running_mean.dtype), momentum)
             running_var.lerp_(unbiased.to(running_var.dtype), momentum)
-    return BNStats(mean, invstd, False)
+    return mean, invstd

@@ -1,0 +1,112 @@
+"""CUDA C++ backend: a chain composed of the extension's per-unit ops (:mod:`fused_preact.ops._cuda`).
+
+:class:`CudaPlan` has the interface of :class:`fused_preact.ops._triton.TritonPlan`, so one autograd
+node (:class:`fused_preact.ops.chain.ChainFunction`) runs either. Per unit it calls the extension's
+statistics, fused fprop and fused backward; running statistics, the shortcut add and the sum of the
+two input-gradient contributions of conv1 and the projection are ATen ops (the extension has no
+epilogue fusions yet). BN's backward is linear in dz, so the projection's and conv1's contributions to
+dx, dγ and dβ add.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fused_preact.ops import _cuda
+from fused_preact.ops.chain_spec import BATCH, EXTERNAL, RUNNING, BNMode, ChainSpec, ChainTensors, add_shortcut, chain_shapes
+
+__all__ = ["CudaPlan"]
+
+
+class CudaPlan:
+    """Per-unit composition of the extension's ops for one chain signature (see module docstring)."""
+
+    out_stats = False
+
+    def __init__(self, spec: ChainSpec, modes: tuple[BNMode, ...], x_shape, x_dtype: torch.dtype,
+                 cdtype: torch.dtype, residual_dtype: Optional[torch.dtype]):
+        self.spec, self.modes, self.cdtype, self.x_dtype = spec, modes, cdtype, x_dtype
+        self.units = list(spec.convs)
+        self.out_shape = tuple(chain_shapes(spec, x_shape)[-1])
+        res_dtype = {"input": x_dtype, "tensor": residual_dtype}.get(spec.residual)
+        self.out_dtype = torch.promote_types(cdtype, res_dtype) if res_dtype is not None else cdtype
+        if spec.proj is not None:
+            self.proj_shape = (x_shape[0], spec.proj.out_channels, *spec.proj.out_hw(*x_shape[2:]))
+
+    def _stats(self, i: int, h: torch.Tensor, t: ChainTensors):
+        mode = self.modes[i]
+        if mode.kind == EXTERNAL:
+            return t.ext_mean, t.ext_invstd
+        if mode.kind == RUNNING:
+            return t.running_means[i].float(), torch.rsqrt(t.running_vars[i].float() + t.eps[i])
+        mean, var = _cuda.batch_stats(h)
+        if mode.update:
+            nbt = t.num_batches[i]
+            if nbt is not None:
+                nbt.add_(1)
+            f = (1.0 / nbt.to(torch.float32)) if mode.cumulative else t.momenta[i]
+            count = h.shape[0] * h.shape[2] * h.shape[3]
+            with torch.no_grad():
+                rm, rv = t.running_means[i], t.running_vars[i]
+                rm.copy_(rm * (1 - f) + mean.to(rm.dtype) * f)
+                rv.copy_(rv * (1 - f) + (var * (count / (count - 1))).to(rv.dtype) * f)
+        return mean, torch.rsqrt(var + t.eps[i])
+
+    def forward(self, x: torch.Tensor, t: ChainTensors):
+        """See :meth:`fused_preact.ops._triton.TritonPlan.forward` (no statistics handoff)."""
+        spec, cd = self.spec, self.cdtype
+        h, inputs, aux = x, [x], []
+        for i, g in enumerate(spec.convs):
+            mean, invstd = self._stats(i, h, t)
+            gamma = t.gammas[i].detach() if t.gammas[i] is not None else None
+            beta = t.betas[i].detach() if t.betas[i] is not None else None
+            aux += [mean, invstd, gamma, beta]
+            h = _cuda.fprop(h.to(cd), t.weights[i].detach(), t.biases[i], mean, invstd, gamma, beta,
+                            list(g.stride), list(g.padding), list(g.dilation), g.groups)
+            if i < len(spec.convs) - 1:
+                inputs.append(h)
+        p = None
+        if spec.proj is not None:
+            p = _cuda.fprop(x.to(cd), t.proj_weight.detach(), None, aux[0], aux[1], aux[2], aux[3],
+                            list(spec.proj.stride), [0, 0], [1, 1], 1)
+        h, proj_out = add_shortcut(spec, h, p, x, t)
+        return h, proj_out, inputs, aux, None, None
+
+    def backward(self, dy, dy_proj, inputs, aux, weights, proj_weight, need_dx, need_w, need_b, need_proj_w,
+                 bn_dtypes):
+        """See :meth:`fused_preact.ops._triton.TritonPlan.backward`."""
+        spec, cd = self.spec, self.cdtype
+        n = len(spec.convs)
+        dws, dbs, dgs, dbetas = [None] * n, [None] * n, [None] * n, [None] * n
+        dproj_w = dstats = None
+        g_out = dy
+        for i in reversed(range(n)):
+            geo = spec.convs[i]
+            mean, invstd, gamma, beta = aux[4 * i:4 * i + 4]
+            xi = inputs[i].to(cd)
+            batch = self.modes[i].kind == BATCH
+            dxi, dw, db, sdzx, sdz = _cuda.backward(
+                g_out, xi, weights[i], mean, invstd, gamma, beta, list(geo.stride), list(geo.padding),
+                list(geo.dilation), geo.groups, batch, geo.bias)
+            if i == 0 and spec.proj is not None:
+                src = dy if spec.proj_out == "add" else dy_proj
+                dxp, dwp, _, pzx, pz = _cuda.backward(src, xi, proj_weight, mean, invstd, gamma, beta,
+                                                      list(spec.proj.stride), [0, 0], [1, 1], 1, batch, False)
+                dxi, sdzx, sdz = dxi + dxp, sdzx + pzx, sdz + pz
+                dproj_w = dwp.to(proj_weight.dtype) if need_proj_w else None
+            dws[i] = dw.to(weights[i].dtype) if need_w[i] else None
+            dbs[i] = db if need_b[i] else None
+            if bn_dtypes[i] is not None:
+                dgs[i], dbetas[i] = sdzx.to(bn_dtypes[i]), sdz.to(bn_dtypes[i])
+            if self.modes[i].kind == EXTERNAL:
+                scale = invstd * (gamma.float() if gamma is not None else 1.0)
+                gam = gamma.float() if gamma is not None else torch.ones_like(invstd)
+                dstats = (-scale * sdz, gam * sdzx / invstd)
+            g_out = dxi
+        dx = None
+        if need_dx:
+            dx = g_out + dy if spec.residual == "input" else g_out
+            dx = dx.to(inputs[0].dtype)
+        return dx, dws, dbs, dgs, dbetas, dproj_w, dstats

@@ -1,0 +1,238 @@
+"""What a fused chain computes, independent of any backend: the structure (:class:`ChainSpec`), the
+BatchNorm behaviour per unit (:class:`BNMode`), the per-call tensors (:class:`ChainTensors`) and the
+validation every backend shares.
+
+A chain is the residual branch of a pre-activation block, or a single unit::
+
+    y_0 = conv_0(relu(bn_0(x)));  y_i = conv_i(relu(bn_i(y_{i-1})))           (i = 1 … n−1)
+    out = y_{n−1} [+ proj(relu(bn_0(x)))]  [+ x | + r]
+
+``proj`` is a 1×1 projection shortcut on the pre-activation of the chain input (He et al. 2016 §4;
+timm ``resnetv2``), either added to the output (``proj_out="add"``) or returned beside it
+(``"return"``, for a caller that applies e.g. DropPath to the branch only). The residual is the raw
+chain input (``"input"``: the identity shortcut) or any tensor of the output's shape (``"tensor"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+
+from fused_preact.ops._common import conv_out_size, pair
+
+__all__ = ["ConvGeom", "ChainSpec", "BNMode", "ChainTensors", "StatsHandoff", "BATCH", "RUNNING", "EXTERNAL",
+           "validate_chain", "chain_shapes", "add_shortcut"]
+
+#: BatchNorm modes of a unit: statistics of this batch, running statistics (eval), or statistics given
+#: from outside (synchronized BN; their gradients are returned instead of folded into dx).
+BATCH, RUNNING, EXTERNAL = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvGeom:
+    """One convolution's hyper-parameters, as ``nn.Conv2d`` holds them (padding as explicit ints)."""
+
+    in_channels: int
+    out_channels: int
+    kernel: tuple[int, int]
+    stride: tuple[int, int] = (1, 1)
+    padding: tuple[int, int] = (0, 0)
+    dilation: tuple[int, int] = (1, 1)
+    groups: int = 1
+    bias: bool = False
+
+    @classmethod
+    def of(cls, conv: nn.Conv2d) -> "ConvGeom":
+        """The geometry of an ``nn.Conv2d`` (string padding is not accepted: callers check first)."""
+        return cls(conv.in_channels, conv.out_channels, tuple(conv.kernel_size), tuple(conv.stride),
+                   tuple(conv.padding), tuple(conv.dilation), conv.groups, conv.bias is not None)
+
+    @classmethod
+    def from_args(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], stride, padding, dilation,
+                  groups: int) -> "ConvGeom":
+        """The geometry of an ``F.conv2d(x, weight, bias, stride, padding, dilation, groups)`` call."""
+        return cls(weight.shape[1] * groups, weight.shape[0], (weight.shape[2], weight.shape[3]),
+                   pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"), groups,
+                   bias is not None)
+
+    def out_hw(self, h: int, w: int) -> tuple[int, int]:
+        return (conv_out_size(h, self.kernel[0], self.stride[0], self.padding[0], self.dilation[0]),
+                conv_out_size(w, self.kernel[1], self.stride[1], self.padding[1], self.dilation[1]))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainSpec:
+    """The structure of a chain (see the module docstring). Hashable: plans are cached on it.
+
+    Attributes:
+        convs: the convolutions in order; ``convs[i]`` reads ``relu(bn_i(input_i))``.
+        proj: a 1×1, groups=1, bias-free projection shortcut on ``relu(bn_0(x))``, or None.
+        proj_out: ``"add"`` (added to the output) or ``"return"`` (a second output).
+        residual: ``"none"``, ``"input"`` (add x) or ``"tensor"`` (add a given tensor r).
+    """
+
+    convs: tuple[ConvGeom, ...]
+    proj: Optional[ConvGeom] = None
+    proj_out: str = "add"
+    residual: str = "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class BNMode:
+    """How one unit's BatchNorm behaves in this call (``nn.BatchNorm2d.forward``'s decisions).
+
+    Attributes:
+        kind: :data:`BATCH`, :data:`RUNNING` or :data:`EXTERNAL`.
+        affine: has γ and β.
+        update: training with running buffers: they are updated (and ``num_batches_tracked`` counted).
+        cumulative: ``momentum=None``: the average factor is ``1/num_batches_tracked``.
+    """
+
+    kind: int
+    affine: bool = True
+    update: bool = False
+    cumulative: bool = False
+
+
+class StatsHandoff(NamedTuple):
+    """Partial statistics of a tensor, written by the epilogue of the conv that produced it.
+
+    Attributes:
+        part: (num_parts, 2, C) fp32 view: per tile, the mean and M2 (Σ(v − mean)²) of its rows.
+        rows: rows per tile (the last tile holds ``count − (num_parts − 1)·rows``).
+        count: total rows (N·H·W of the tensor).
+    """
+
+    part: torch.Tensor
+    rows: int
+    count: int
+
+
+@dataclasses.dataclass
+class ChainTensors:
+    """The tensors of one call, per unit ``i`` (lists of length n), plus chain-level extras.
+
+    ``weights[i]``, ``biases[i]`` are conv_i's; ``gammas``, ``betas``, ``running_means``,
+    ``running_vars``, ``num_batches`` bn_i's (None where absent); ``momenta`` and ``eps`` floats
+    (``momentum`` is unused when cumulative). ``proj_weight`` (K', C0, 1, 1); ``residual`` (the ``r``
+    of ``residual="tensor"``); ``ext_mean`` / ``ext_invstd`` (C0,) fp32 for an EXTERNAL bn_0;
+    ``in_stats`` a :class:`StatsHandoff` of x for a BATCH bn_0 (skips the statistics pass).
+    """
+
+    weights: list
+    biases: list
+    gammas: list
+    betas: list
+    running_means: list
+    running_vars: list
+    num_batches: list
+    momenta: list
+    eps: list
+    proj_weight: Optional[torch.Tensor] = None
+    residual: Optional[torch.Tensor] = None
+    ext_mean: Optional[torch.Tensor] = None
+    ext_invstd: Optional[torch.Tensor] = None
+    in_stats: Optional[StatsHandoff] = None
+
+
+def chain_shapes(spec: ChainSpec, x_shape) -> list[tuple[int, int, int, int]]:
+    """(N, C, H, W) of every unit's input followed by the chain output's, for an input of ``x_shape``."""
+    N, C, H, W = x_shape
+    shapes = [(N, C, H, W)]
+    for g in spec.convs:
+        H, W = g.out_hw(H, W)
+        shapes.append((N, g.out_channels, H, W))
+    return shapes
+
+
+def validate_chain(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BNMode, ...]) -> None:
+    """Check a chain call before anything runs or any buffer changes, with PyTorch's messages and
+    exception types (those of ``F.batch_norm`` and ``F.conv2d``).
+
+    Raises:
+        ValueError: x not 4-D; training with one value per channel; malformed geometry.
+        RuntimeError: non-floating x; channel mismatch; groups not dividing channels; tensors on other
+            devices; dtype mismatch outside autocast; output size ≤ 0; residual of the wrong shape.
+    """
+    if x.dim() != 4:
+        raise ValueError(f"expected 4D input (got {x.dim()}D input)")
+    if not x.is_floating_point():
+        raise RuntimeError(f"fused_preact: expected a floating-point input, got {x.dtype}")
+    autocast = torch.is_autocast_enabled(x.device.type)
+    shape = tuple(x.shape)
+    shapes = [shape]
+    for i, (g, w, b) in enumerate(zip(spec.convs, t.weights, t.biases)):
+        n, c, h, wd = shape
+        # BatchNorm first, as eager PyTorch meets it first.
+        for name, vec in (("running_mean", t.running_means[i]), ("running_var", t.running_vars[i]),
+                          ("weight", t.gammas[i]), ("bias", t.betas[i])):
+            if vec is not None and vec.numel() != c:
+                raise RuntimeError(f"{name} should contain {c} elements not {vec.numel()} (the BatchNorm before "
+                                   f"conv {i} has {vec.numel()} features, its input {c} channels)")
+        if modes[i].kind == BATCH and n * h * wd == 1:
+            raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(shape)}")
+        _check_conv(x, g, w, b, c, h, wd, shape, autocast)
+        shape = (n, g.out_channels, *g.out_hw(h, wd))
+        shapes.append(shape)
+    if spec.proj is not None:
+        _check_conv(x, spec.proj, t.proj_weight, None, shapes[0][1], shapes[0][2], shapes[0][3], shapes[0], autocast)
+        if spec.proj.out_hw(shapes[0][2], shapes[0][3]) != tuple(shapes[-1][2:]) or spec.proj.out_channels != shapes[-1][1]:
+            raise RuntimeError(f"fused_preact: the projection shortcut's output does not match the branch output "
+                               f"{list(shapes[-1])}")
+    if spec.residual == "input" and tuple(shapes[0][1:]) != tuple(shapes[-1][1:]):
+        raise RuntimeError(f"The size of tensor a ({shapes[-1][1]}) must match the size of tensor b ({shapes[0][1]}): "
+                           f"identity shortcut of input {list(shapes[0])} onto output {list(shapes[-1])}")
+    if spec.residual == "tensor":
+        r = t.residual
+        if tuple(r.shape) != tuple(shapes[-1]):
+            raise RuntimeError(f"fused_preact: residual of shape {list(r.shape)} cannot be added to the output "
+                               f"{list(shapes[-1])}")
+        if r.device != x.device:
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                               f"{x.device} and {r.device}! (residual)")
+
+
+def _check_conv(x, g: ConvGeom, weight, bias, C, H, W, in_shape, autocast: bool) -> None:
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if t.device != x.device:
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
+                               f"{x.device} and {t.device}! ({name})")
+        if t.dtype != x.dtype and not autocast:
+            raise RuntimeError(f"Input type ({x.dtype}) and {name} type ({t.dtype}) should be the same")
+    if weight.dim() != 4:
+        raise RuntimeError(f"fused_preact: expected a 4D conv weight (K, C/groups, R, S), got shape {list(weight.shape)}")
+    groups = g.groups
+    if groups < 1 or C % groups or weight.shape[0] % groups or weight.shape[1] * groups != C:
+        raise RuntimeError(
+            f"Given groups={groups}, weight of size {list(weight.shape)}, expected input{list(in_shape)} to have "
+            f"{weight.shape[1] * groups} channels, but got {C} channels instead")
+    if min(g.stride) < 1 or min(g.dilation) < 1 or min(g.padding) < 0:
+        raise ValueError(f"fused_preact: need stride ≥ 1, dilation ≥ 1, padding ≥ 0; got {list(g.stride)}, "
+                         f"{list(g.dilation)}, {list(g.padding)}")
+    P, Q = g.out_hw(H, W)
+    if P <= 0 or Q <= 0:
+        raise RuntimeError(f"Calculated output size: ({P}x{Q}). Output size is too small (input {[H, W]}, "
+                           f"kernel {list(g.kernel)}, stride {list(g.stride)}, padding {list(g.padding)}, "
+                           f"dilation {list(g.dilation)})")
+
+
+def add_shortcut(spec: ChainSpec, h: torch.Tensor, p: Optional[torch.Tensor], x: torch.Tensor,
+                 t: ChainTensors) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The chain's tail in ATen, for backends without epilogue fusions: given the branch output ``h``
+    and the projection's output ``p`` (or None), return ``(out, proj_out)`` per ``spec``."""
+    proj_out = None
+    if p is not None:
+        if spec.proj_out == "add":
+            h = h + p
+        else:
+            proj_out = p
+    if spec.residual == "input":
+        h = h + x
+    elif spec.residual == "tensor":
+        h = h + t.residual
+    return h, proj_out

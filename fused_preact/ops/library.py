@@ -1,0 +1,245 @@
+"""torch.library plumbing, in one place: the fused chain as opaque custom ops for ``torch.compile``.
+
+Eager calls never come here (they run :class:`fused_preact.ops.chain.ChainFunction` directly: a custom
+op costs tens of microseconds of dispatcher and Python per call). Under ``torch.compile`` the modules
+call :func:`compiled_chain`, which Dynamo traces: two custom ops with fake implementations and an
+autograd formula, ``fused_preact::chain_forward`` and ``fused_preact::chain_backward``, whose
+implementations run the same :class:`fused_preact.ops._triton.TritonPlan` as the eager path. The chain
+structure travels as a string key (a ``repr`` of plain tuples, decoded with ``ast.literal_eval``), so a
+compiled graph needs no Python objects of ours. The running-statistics update (a mutation) is done
+outside the op in traced ATen code from the batch mean and variance the op returns in its ``aux``
+buffer; inductor fuses it.
+
+Pattern: quack ``quack/dsl/torch_library_op.py`` and flash-attention ``flash_attn/utils/library.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+from typing import Optional
+
+import torch
+
+from fused_preact.ops._triton import TritonPlan
+from fused_preact.ops.chain import ChainResult
+from fused_preact.ops.chain_spec import BNMode, ChainSpec, ChainTensors, ConvGeom
+
+__all__ = ["compiled_chain", "encode_key", "decode_key"]
+
+_PER_UNIT = 6  # weight, bias, γ, β, running_mean, running_var
+
+
+def encode_key(spec: ChainSpec, modes: tuple[BNMode, ...], cdtype: torch.dtype,
+               residual_dtype: Optional[torch.dtype]) -> str:
+    """The chain signature as a string of plain Python literals (see :func:`decode_key`)."""
+    return repr((tuple(dataclasses.astuple(g) for g in spec.convs),
+                 dataclasses.astuple(spec.proj) if spec.proj is not None else None, spec.proj_out, spec.residual,
+                 tuple(dataclasses.astuple(m) for m in modes), str(cdtype).replace("torch.", ""),
+                 str(residual_dtype).replace("torch.", "") if residual_dtype is not None else None))
+
+
+@functools.lru_cache(maxsize=None)
+def decode_key(key: str):
+    """``(spec, modes, cdtype, residual_dtype)`` from :func:`encode_key`'s string."""
+    convs, proj, proj_out, residual, modes, cd, rd = ast.literal_eval(key)
+    spec = ChainSpec(tuple(ConvGeom(*c) for c in convs), ConvGeom(*proj) if proj is not None else None, proj_out,
+                     residual)
+    return (spec, tuple(BNMode(*m) for m in modes), getattr(torch, cd),
+            getattr(torch, rd) if rd is not None else None)
+
+
+_PLANS: dict = {}
+
+
+def _plan(key: str, x: torch.Tensor) -> TritonPlan:
+    # Tile counts and buffer sizes depend on the concrete shape: symbolic sizes are specialized here
+    # (int() guards on them), so a compiled graph is specific to its input shapes.
+    shape, stride = tuple(int(s) for s in x.shape), tuple(int(s) for s in x.stride())
+    k = (key, shape, stride, x.dtype, x.device)
+    plan = _PLANS.get(k)
+    if plan is None:
+        spec, modes, cd, rd = decode_key(key)
+        plan = _PLANS[k] = TritonPlan(spec, modes, shape, stride, x.dtype, x.device, cd, False, False, rd)
+    return plan
+
+
+def _present(tensors) -> list:
+    """The op's tensor list with its empty placeholders back to None (custom ops take no None inside a
+    differentiable tensor list: autograd would treat the whole list as one non-tensor)."""
+    return [t if t.numel() > 0 else None for t in tensors]
+
+
+def _unpack(plan: TritonPlan, tensors, floats) -> ChainTensors:
+    tensors = _present(tensors)
+    n = len(plan.units)
+    u = [tensors[_PER_UNIT * i:_PER_UNIT * (i + 1)] for i in range(n)]
+    extra = tensors[_PER_UNIT * n:]
+    return ChainTensors(
+        weights=[v[0] for v in u], biases=[v[1] for v in u], gammas=[v[2] for v in u], betas=[v[3] for v in u],
+        running_means=[v[4] for v in u], running_vars=[v[5] for v in u], num_batches=[None] * n,
+        momenta=list(floats[0::2]), eps=list(floats[1::2]), proj_weight=extra[0], residual=extra[1],
+        ext_mean=extra[2], ext_invstd=extra[3])
+
+
+# ---------------------------------------------------------------------------------------- forward
+@torch.library.custom_op("fused_preact::chain_forward", mutates_args=(), device_types=("cpu", "cuda"))
+def _chain_forward(x: torch.Tensor, tensors: list[torch.Tensor], floats: list[float],
+                   key: str) -> list[torch.Tensor]:
+    plan = _plan(key, x)
+    out, proj_out, inputs, aux, _, base = plan.forward(x, _unpack(plan, tensors, floats))
+    for name, region in zip(plan.aux_names, aux):  # only the packs carry data: make the rest deterministic
+        if not name.startswith("pack"):
+            region.zero_()
+    return [out, proj_out if proj_out is not None else x.new_empty(0), base, *inputs[1:]]
+
+
+@_chain_forward.register_fake
+def _(x, tensors, floats, key):
+    plan = _plan(key, x)
+    fmt = torch.channels_last if plan.channels_last else torch.contiguous_format
+    out = torch.empty(plan.out_shape, dtype=plan.out_dtype, device=x.device, memory_format=fmt)
+    proj = (torch.empty(plan.proj_shape, dtype=plan.cdtype, device=x.device, memory_format=fmt)
+            if plan.spec.proj is not None and plan.spec.proj_out == "return" else x.new_empty(0))
+    aux = x.new_empty(sum(plan.aux_sizes), dtype=torch.float32)
+    inter = [x.new_empty(u.M_in * u.in_shape[1], dtype=plan.cdtype) for u in plan.units[1:]]
+    return [out, proj, aux, *inter]
+
+
+# --------------------------------------------------------------------------------------- backward
+@torch.library.custom_op("fused_preact::chain_backward", mutates_args=(), device_types=("cpu", "cuda"))
+def _chain_backward(dy: torch.Tensor, dy_proj: Optional[torch.Tensor], x: torch.Tensor,
+                    intermediates: list[torch.Tensor], aux: torch.Tensor, tensors: list[torch.Tensor],
+                    key: str) -> list[torch.Tensor]:
+    # The backward writes its per-tile sums into the aux regions the forward's partials used; the op
+    # works on a copy so that its inputs stay unmutated (the eager path reuses the buffer itself).
+    plan = _plan(key, x)
+    tensors = _present(tensors)
+    n = len(plan.units)
+    weights = [tensors[_PER_UNIT * i] for i in range(n)]
+    gammas = [tensors[_PER_UNIT * i + 2] for i in range(n)]
+    proj_w = tensors[_PER_UNIT * n]
+    dx, dws, dbs, dgs, dbetas, dproj_w, dstats = plan.backward(
+        dy, dy_proj, [x, *intermediates], list(aux.clone().split(plan.aux_sizes)), weights, proj_w, True,
+        [True] * n, [plan.units[i].geom.bias for i in range(n)], proj_w is not None,
+        [g.dtype if g is not None else None for g in gammas])
+    flat = [dx]
+    for i in range(n):  # γ/β gradients are views of one buffer: a custom op's outputs may not alias
+        flat += [dws[i], dbs[i], _own(dgs[i]), _own(dbetas[i])]
+    flat += [dproj_w, *((_own(dstats[0]), _own(dstats[1])) if dstats is not None else (None, None))]
+    return [f if f is not None else x.new_empty(0) for f in flat]
+
+
+def _own(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return t.clone() if t is not None else None
+
+
+@_chain_backward.register_fake
+def _(dy, dy_proj, x, intermediates, aux, tensors, key):
+    plan = _plan(key, x)
+    tensors = _present(tensors)
+    n = len(plan.units)
+
+    def like(t, dtype=None):
+        return t.new_empty(t.shape, dtype=dtype or t.dtype) if t is not None else x.new_empty(0)
+
+    flat = [torch.empty_like(x)]
+    for i in range(n):
+        w, b, g = tensors[_PER_UNIT * i], tensors[_PER_UNIT * i + 1], tensors[_PER_UNIT * i + 2]
+        flat += [torch.empty_like(w), like(b, torch.float32), like(g), like(g)]
+    flat.append(like(tensors[_PER_UNIT * n]))
+    C = x.shape[1]
+    external = plan.modes[0].kind == 2
+    flat += [x.new_empty(C if external else 0, dtype=torch.float32) for _ in range(2)]
+    return flat
+
+
+def _setup(ctx, inputs, output):
+    x, tensors, floats, key = inputs
+    ctx.key = key
+    ctx.present = [t.numel() > 0 for t in tensors]
+    # The running buffers are not needed in backward (and are updated in place after the op).
+    kept = [t.new_empty(0) if j % _PER_UNIT in (4, 5) and j < _PER_UNIT * (len(tensors) - 4) // _PER_UNIT else t
+            for j, t in enumerate(tensors)]
+    ctx.save_for_backward(x, output[2], *output[3:], *kept)
+    ctx.n_inter = len(output) - 3
+    ctx.n_floats = len(floats)
+
+
+def _backward(ctx, grads):
+    saved = ctx.saved_tensors
+    x, aux = saved[0], saved[1]
+    inter = list(saved[2:2 + ctx.n_inter])
+    tensors = list(saved[2 + ctx.n_inter:])
+    plan = _plan(ctx.key, x)
+    dy = grads[0] if grads[0] is not None else x.new_zeros(plan.out_shape, dtype=plan.out_dtype)
+    dy_proj = None
+    if plan.spec.proj is not None and plan.spec.proj_out == "return":
+        dy_proj = grads[1] if grads[1] is not None else x.new_zeros(plan.proj_shape, dtype=plan.cdtype)
+    flat = _chain_backward(dy, dy_proj, x, inter, aux, tensors, ctx.key)
+    n = len(plan.units)
+    dx, per = flat[0], flat[1:]
+    tgrads: list = []
+    for i in range(n):
+        dw, db, dg, dbeta = per[4 * i:4 * i + 4]
+        tgrads += [dw, db if ctx.present[_PER_UNIT * i + 1] else None, dg if ctx.present[_PER_UNIT * i + 2] else None,
+                   dbeta if ctx.present[_PER_UNIT * i + 3] else None, None, None]
+    dproj_w, dmean, dinvstd = per[4 * n:4 * n + 3]
+    res = dy if plan.spec.residual == "tensor" else None
+    ext = plan.modes[0].kind == 2
+    tgrads += [dproj_w if ctx.present[_PER_UNIT * n] else None, res,
+               dmean if ext else None, dinvstd if ext else None]
+    return dx, tgrads, None, None
+
+
+torch.library.register_autograd("fused_preact::chain_forward", _backward, setup_context=_setup)
+
+
+# ----------------------------------------------------------------------------------- traced entry
+def compiled_chain(backend: str, spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BNMode, ...],
+                   plan) -> ChainResult:
+    """The chain under ``torch.compile``: the custom ops above, then the running-statistics update in
+    traced ATen (``nn.BatchNorm2d``'s formula: ``r ← (1 − f)·r + f·batch``, unbiased variance,
+    ``f = 1/num_batches_tracked`` for ``momentum=None``). Statistics handoff is not used here.
+
+    Raises:
+        NotImplementedError: ``backend`` is not ``"triton"`` (the CUDA extension's ops are not traced).
+    """
+    if backend != "triton":
+        raise NotImplementedError(f"fused_preact: backend {backend!r} under torch.compile (use backend='triton')")
+    quiet = tuple(dataclasses.replace(m, update=False) for m in modes)
+    key = encode_key(spec, quiet, plan.cdtype, t.residual.dtype if t.residual is not None else None)
+    tensors: list = []
+    floats: list = []
+    for i in range(len(spec.convs)):
+        tensors += [t.weights[i], t.biases[i], t.gammas[i], t.betas[i], t.running_means[i], t.running_vars[i]]
+        floats += [float(t.momenta[i] or 0.0), float(t.eps[i])]
+    tensors += [t.proj_weight, t.residual, t.ext_mean, t.ext_invstd]
+    tensors = [v if v is not None else x.new_empty(0) for v in tensors]
+    outs = _chain_forward(x, tensors, floats, key)
+    aux = outs[2]
+    offset = 0
+    sizes = dict(zip(plan.aux_names, plan.aux_sizes))
+    for name in plan.aux_names:
+        if name.startswith("pack"):
+            i = int(name[4:])
+            m = modes[i]
+            if m.update:
+                C = plan.units[i].in_shape[1]
+                _update_running(aux[offset:offset + C], aux[offset + C:offset + 2 * C], t, i, m,
+                                plan.units[i].M_in)
+        offset += sizes[name]
+    proj_out = outs[1] if spec.proj is not None and spec.proj_out == "return" else None
+    return ChainResult(outs[0], proj_out, None)
+
+
+def _update_running(mean: torch.Tensor, var: torch.Tensor, t: ChainTensors, i: int, m: BNMode, count: int) -> None:
+    with torch.no_grad():
+        nbt = t.num_batches[i]
+        if nbt is not None:
+            nbt.add_(1)
+        f = (1.0 / nbt) if m.cumulative else t.momenta[i]
+        rm, rv = t.running_means[i], t.running_vars[i]
+        rm.copy_(f * mean + (1 - f) * rm)
+        rv.copy_(f * var * (count / max(count - 1, 1)) + (1 - f) * rv)
