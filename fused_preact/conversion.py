@@ -72,7 +72,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fused_preact.modules import FusedBNReLUConv2d, FusedModuleBase, FusedPreActBlock, FusedPreActBottleneck, init_fused_state, run_units, describe_backend
+from fused_preact.modules import (FusedBNReLUConv2d, FusedModuleBase, FusedPreActBlock, FusedPreActBottleneck, backend_path,
+                                  describe_backend, init_fused_state, run_units)
 from fused_preact.ops import BACKENDS
 
 __all__ = ["ConversionReport", "ConvertedPreActBlock", "FusedSequential", "Replaced", "Skipped", "convert"]
@@ -123,13 +124,19 @@ class ConversionReport:
             Sequential runs as ``"<sequential>.<bn>+<relu>+<conv>"``.
         skipped: :class:`Skipped` entries: candidate blocks and runs that were refused, modules that
             were already fused, and every other ``BatchNorm2d`` that stays unfused.
+        path: which path the replaced modules will run for an input on the model's device and in its
+            parameters' dtype (outside autocast) — ``"triton"``, or the fallback and why (e.g. a CPU
+            model without ``TRITON_INTERPRET=1`` runs ``reference``).
     """
 
     replaced: list[Replaced] = dataclasses.field(default_factory=list)
     skipped: list[Skipped] = dataclasses.field(default_factory=list)
+    path: str = ""
 
     def __str__(self) -> str:
         lines = [f"fused_preact.convert: {len(self.replaced)} replaced, {len(self.skipped)} not replaced"]
+        if self.replaced and self.path:
+            lines.append(f"runs: {self.path}")
         if self.replaced:
             lines.append("replaced:")
             lines += [f"  {r.name or '<model>'}: {r.original} -> {r.fused}" for r in self.replaced]
@@ -742,5 +749,8 @@ def convert(model: nn.Module, backend: str = "auto", verify: bool = True,
     converter = _Converter(backend, verify)
     out = converter.visit(model, "")
     converter.sweep(out)
+    fused = next((m for m in out.modules() if hasattr(m, "_plans") and hasattr(m, "backend")), None)
+    if fused is not None:
+        converter.report.path = backend_path(fused)
     logger.info("%s", converter.report)
     return (out, converter.report) if report else out

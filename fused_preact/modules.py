@@ -38,7 +38,8 @@ from fused_preact.ops import (
 from fused_preact.ops.sync_stats import sync_bn_statistics, sync_enabled
 
 __all__ = ["FusedBNReLUConv2d", "FusedPreActBlock", "FusedPreActBottleneck", "FusedModuleBase", "bottleneck_width",
-           "convert_sync_batchnorm", "run_units", "run_blocks", "bn_mode", "init_fused_state", "describe_backend"]
+           "convert_sync_batchnorm", "run_units", "run_blocks", "bn_mode", "init_fused_state", "describe_backend",
+           "backend_path"]
 
 logger = logging.getLogger("fused_preact")
 
@@ -257,18 +258,22 @@ def init_fused_state(module: nn.Module, backend: str) -> None:
     module._specs = PlanCache()
 
 
-def describe_backend(module: nn.Module) -> str:
-    """``backend='auto', runs='triton'`` — which path the module's forward takes for an input on its
-    parameters' device and dtype (under no autocast), or why it falls back: what ``repr`` shows."""
+def backend_path(module: nn.Module) -> str:
+    """Which path the module's forward takes for an input on its parameters' device and dtype
+    (outside autocast): ``"triton"``, or ``"reference (<why the others refuse>)"``."""
     p = next(module.parameters(), None)
     device, dtype = (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
     probe = torch.empty(1, device=device, dtype=dtype).expand(1, 8, 1, 1)
     try:
         choice = select_backend(module.backend, probe)
-        runs = choice.name if choice.reason is None else f"{choice.name} ({choice.reason})"
     except (RuntimeError, ValueError) as e:
-        runs = f"error: {e}"
-    return f"backend={module.backend!r}, runs={runs!r}"
+        return f"error: {e}"
+    return choice.name if choice.reason is None else f"{choice.name} ({choice.reason})"
+
+
+def describe_backend(module: nn.Module) -> str:
+    """``backend='auto', runs='triton'``: the requested backend and :func:`backend_path` (``repr``)."""
+    return f"backend={module.backend!r}, runs={backend_path(module)!r}"
 
 
 def _bn(c, eps, momentum, affine=True, track_running_stats=True, **kw):

@@ -276,3 +276,31 @@ def test_groups_not_dividing_channels_raises_and_leaves_buffers():
     m.conv.groups = 3
     x = torch.randn(2, 4, 6, 6, device=DEVICE)
     _assert_raises_untouched(m, x, RuntimeError, "Given groups=3")
+
+
+def test_backend_is_chosen_for_the_autocast_dtype(monkeypatch):
+    """Under autocast the backend sees the dtype the convolution runs in, not the fp32 parameters':
+    a 16-bit-only backend is chosen for an fp32 module under bf16 autocast and refused without it."""
+    from fused_preact.ops import _cuda
+    from fused_preact.ops.backends import CudaBackend
+
+    monkeypatch.setattr(_cuda, "available", lambda: True)
+    monkeypatch.setattr(_cuda, "not_supported_reasons", lambda *a, **k: [])
+    m = FusedBNReLUConv2d(8, 8, 3, padding=1, backend="cuda")
+    x = torch.randn(2, 8, 5, 5)
+    with pytest.raises(RuntimeError, match=r"dtype torch.float32 not in"):
+        m(x)
+    seen = []
+    monkeypatch.setattr(CudaBackend, "make_plan", classmethod(lambda cls, spec, modes, x, cd, *a: seen.append(cd)))
+    monkeypatch.setattr(CudaBackend, "run", classmethod(lambda cls, plan, spec, x, t, modes: (x, None, None)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m(x)
+    assert seen == [torch.bfloat16] and m.last_backend == "cuda"
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU modules run the kernels only through the interpreter")
+def test_repr_and_report_say_which_path_runs():
+    m = FusedBNReLUConv2d(4, 4, 3, backend="auto")
+    assert "runs='triton'" in repr(m)  # the interpreter is on in this test session
+    m64 = FusedBNReLUConv2d(4, 4, 3, backend="auto").double()
+    assert "runs='reference (triton: dtype torch.float64" in repr(m64)

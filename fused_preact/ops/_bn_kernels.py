@@ -31,7 +31,9 @@ def tile_mean_m2(v, mask, rows, out_ptr, out_mask, C: tl.constexpr):
     d = tl.where(mask, v - mean0[None, :], 0.0)
     s1 = tl.sum(d, axis=0)
     m2 = tl.maximum(tl.sum(d * d, axis=0) - s1 * s1 / count, 0.0)
-    tl.store(out_ptr, mean0 + s1 / count, mask=out_mask)
+    # An infinite value makes Σd NaN: keep the plain mean then (±inf, as a sum-based mean gives).
+    mean = tl.where(tl.abs(mean0) < float("inf"), mean0 + s1 / count, mean0)
+    tl.store(out_ptr, mean, mask=out_mask)
     tl.store(out_ptr + C, m2, mask=out_mask)
 
 
@@ -96,13 +98,18 @@ def _finalize_kernel(
         if MODE == 0:
             ref = tl.load(part_ptr + cols, mask=cmask, other=0.0)
             acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+            plain = tl.zeros([BLOCK_C], dtype=tl.float32)
             for p0 in range(0, num_parts, BLOCK_P):
                 parts = p0 + tl.arange(0, BLOCK_P)
                 pmask = (parts < num_parts)[:, None] & cmask[None, :]
                 nb = tl.minimum(M - parts * rows_per_part, rows_per_part).to(tl.float32)
                 mb = tl.load(part_ptr + parts.to(tl.int64)[:, None] * (2 * C) + cols[None, :], mask=pmask, other=0.0)
                 acc += tl.sum(tl.where(pmask, nb[:, None] * (mb - ref[None, :]), 0.0), axis=0)
+                plain += tl.sum(tl.where(pmask, nb[:, None] * mb, 0.0), axis=0)
             mean = ref + acc / M
+            # With an infinite tile mean the shifted form is NaN; the plain weighted mean is ±inf (or NaN
+            # for +inf and -inf together), as a sum-based mean is.
+            mean = tl.where(mean == mean, mean, plain / M)
             m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
             for p0 in range(0, num_parts, BLOCK_P):
                 parts = p0 + tl.arange(0, BLOCK_P)
