@@ -20,7 +20,7 @@ from fused_preact.ops._common import tl, triton
 
 
 @triton.jit
-def tile_mean_m2(v, mask, rows, out_ptr, out_mask, C: tl.constexpr):
+def tile_mean_m2(v, mask, rows, out_ptr, out_mask, C):
     """Store the per-column mean (at ``out_ptr``) and M2 = Σ(v − mean)² (at ``out_ptr + C``) of the
     ``rows`` valid rows of the fp32 tile ``v`` (invalid entries masked out by ``mask``), by the
     corrected two-pass algorithm (Chan, Golub & LeVeque 1983: the second pass's Σd repairs the first
@@ -40,7 +40,7 @@ def tile_mean_m2(v, mask, rows, out_ptr, out_mask, C: tl.constexpr):
 @triton.jit
 def _stats_partial_kernel(
     x_ptr, sxn, sxh, sxw, sxc, part_ptr, M,
-    H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, IDX64: tl.constexpr,
+    H, W, C, IDX64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Row ``pid_m`` of ``part`` (tiles, 2, C): mean and M2 of x's rows [pid_m·BLOCK_M, …) (x addressed
@@ -67,7 +67,7 @@ def _stats_partial_kernel(
 def _finalize_kernel(
     part_ptr, num_parts, M, rows_per_part, unbias,
     pack_ptr, gamma_ptr, beta_ptr, rmean_ptr, rvar_ptr, nbt_ptr, momentum, eps,
-    C: tl.constexpr, MODE: tl.constexpr, HAS_AFFINE: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
+    C, MODE: tl.constexpr, HAS_AFFINE: tl.constexpr, UPDATE_RUNNING: tl.constexpr,
     CUMULATIVE: tl.constexpr, INC_NBT: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
@@ -152,11 +152,11 @@ def _finalize_kernel(
 
 @triton.jit
 def _splitk_sum(part_ptr, dw_ptr, swk, swc, swr, sws, blk,
-                K: tl.constexpr, CG: tl.constexpr, R: tl.constexpr, S: tl.constexpr, SPLIT: tl.constexpr,
+                K, CG, R: tl.constexpr, S: tl.constexpr, SPLIT: tl.constexpr,
                 BLOCK_E: tl.constexpr):
     """dw[k, c, r, s] = Σ_split part[split, k, c, r, s] (fixed order) for flat block ``blk`` of the
     K·CG·R·S entries, stored in dw's dtype and strides."""
-    NUMEL: tl.constexpr = K * CG * R * S
+    NUMEL = K * CG * R * S
     e = blk * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = e < NUMEL
     acc = tl.zeros([BLOCK_E], dtype=tl.float32)
@@ -177,9 +177,9 @@ def _dx_kernel(
     M, NUM_DX,
     wpart_ptr, dw_ptr, swk, swc, swr, sws, NUM_RED,
     wpart2_ptr, dw2_ptr, sw2k, sw2c, sw2r, sw2s,
-    H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, HAS_RES: tl.constexpr, IDX64: tl.constexpr,
-    K1: tl.constexpr, CG1: tl.constexpr, R1: tl.constexpr, S1: tl.constexpr, SPLIT1: tl.constexpr,
-    K2: tl.constexpr, CG2: tl.constexpr, SPLIT2: tl.constexpr,
+    H, W, C, HAS_RES: tl.constexpr, IDX64: tl.constexpr,
+    K1, CG1, R1: tl.constexpr, S1: tl.constexpr, SPLIT1: tl.constexpr,
+    K2, CG2, SPLIT2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """Training-mode BN backward, one elementwise pass, plus the weight gradients' split-K sums.
@@ -193,7 +193,7 @@ def _dx_kernel(
     """
     pid = tl.program_id(0)
     if pid < NUM_DX:
-        NCB: tl.constexpr = (C + BLOCK_C - 1) // BLOCK_C
+        NCB = tl.cdiv(C, BLOCK_C)
         pid_m = pid // NCB
         pid_c = pid % NCB
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -2,11 +2,12 @@
 
 Every kernel walks its whole reduction — filter taps × channel chunks — as ONE flat loop, so Triton
 software-pipelines it (``num_stages``): the loads of iteration i+1.. are in flight while iteration i
-transforms its tile and feeds the tensor cores. Geometry (channels, kernel size, stride, padding,
-dilation, spatial sizes) is ``tl.constexpr``: index arithmetic folds to multiply-shifts, trip counts are
-static. Only the batch-dependent row count ``M`` and the tensors' strides are runtime values (Triton
-specializes a stride equal to 1 and 16-divisible strides, which is what turns channels_last loads
-into 16-byte vector loads).
+transforms its tile and feeds the tensor cores. The filter's structure (R, S, stride, padding,
+dilation) is ``tl.constexpr``, so tap arithmetic folds; sizes (channels, spatial extents, batch) are
+runtime values, so one compiled kernel serves every layer of the same filter structure (a ResNet has
+four: 3×3 and 1×1, stride 1 and 2) instead of one compile per layer. Triton specializes a runtime int
+equal to 1 and 16-divisible ints and strides, which is what turns channels_last loads into 16-byte
+vector loads.
 
 Tensors (logical shapes; every activation is addressed through its (n, h, w, c) strides, so NCHW and
 channels_last inputs and expanded gradients are read in place):
@@ -39,7 +40,7 @@ def _relu_nan(z):
 
 
 @triton.jit
-def _preact_tile(x_ptr, rows, chans, mask, sxc, pack_ptr, pchan, C: tl.constexpr):
+def _preact_tile(x_ptr, rows, chans, mask, sxc, pack_ptr, pchan, C):
     """Load x[rows, chans] (row offsets ``rows``, channel stride ``sxc``) and return
     ``relu(x·scale + shift)`` in fp32, zero where ``mask`` is False (padding, tails)."""
     xt = tl.load(x_ptr + rows[:, None] + chans[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
@@ -59,11 +60,11 @@ def _fprop_kernel(
     y_ptr, syn, syh, syw, syc,
     part_ptr,
     M,
-    H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, P: tl.constexpr, Q: tl.constexpr, K: tl.constexpr,
-    GROUPS: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+    H, W, C, P, Q, K,
+    GROUPS, R: tl.constexpr, S: tl.constexpr,
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
     DIL_H: tl.constexpr, DIL_W: tl.constexpr,
-    H2: tl.constexpr, W2: tl.constexpr, C2: tl.constexpr, STRIDE2: tl.constexpr,
+    H2, W2, C2, STRIDE2: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_RES: tl.constexpr, STATS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
@@ -77,9 +78,9 @@ def _fprop_kernel(
     y into row ``pid_m`` of ``part`` — the partial statistics of the next BatchNorm.
     Grid: (cdiv(M, BLOCK_M), cdiv(K/GROUPS, BLOCK_N), GROUPS).
     """
-    Cg: tl.constexpr = C // GROUPS
-    Kg: tl.constexpr = K // GROUPS
-    NUM_CK: tl.constexpr = (Cg + BLOCK_K - 1) // BLOCK_K
+    Cg = C // GROUPS
+    Kg = K // GROUPS
+    NUM_CK = tl.cdiv(Cg, BLOCK_K)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.program_id(2)
@@ -150,11 +151,11 @@ def _dgrad_kernel(
     res_ptr, srn, srh, srw, src,
     psum_ptr,
     M,
-    H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, P: tl.constexpr, Q: tl.constexpr, K: tl.constexpr,
-    GROUPS: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+    H, W, C, P, Q, K,
+    GROUPS, R: tl.constexpr, S: tl.constexpr,
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
     DIL_H: tl.constexpr, DIL_W: tl.constexpr,
-    P2: tl.constexpr, Q2: tl.constexpr, K2: tl.constexpr, STRIDE2: tl.constexpr,
+    P2, Q2, K2, STRIDE2: tl.constexpr,
     HAS_PROJ: tl.constexpr, WRITE_DX: tl.constexpr, HAS_RES: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
@@ -169,9 +170,9 @@ def _dgrad_kernel(
     projection shortcut (``dy2``, ``w2`` (K2, C)) to ``da`` before the mask: conv1 and the projection
     read the same pre-activation. Grid: (cdiv(M, BLOCK_M), cdiv(C/GROUPS, BLOCK_N), GROUPS).
     """
-    Cg: tl.constexpr = C // GROUPS
-    Kg: tl.constexpr = K // GROUPS
-    NUM_KK: tl.constexpr = (Kg + BLOCK_K - 1) // BLOCK_K
+    Cg = C // GROUPS
+    Kg = K // GROUPS
+    NUM_KK = tl.cdiv(Kg, BLOCK_K)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.program_id(2)
@@ -261,8 +262,8 @@ def _dgrad_kernel(
 def _wgrad_tile(
     dy_ptr, sdn, sdh, sdw, sdc, x_ptr, sxn, sxh, sxw, sxc, pack_ptr, dw_ptr, swk, swc, swr, sws,
     pid, M, CHUNK,
-    H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, P: tl.constexpr, Q: tl.constexpr, K: tl.constexpr,
-    GROUPS: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+    H, W, C, P, Q, K,
+    GROUPS, R: tl.constexpr, S: tl.constexpr,
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
     DIL_H: tl.constexpr, DIL_W: tl.constexpr, SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
@@ -271,10 +272,10 @@ def _wgrad_tile(
     """One (k-block, c-block, tap, group, split) tile of ``dW[k, c, r, s] = Σ_m dy[m, k] ·
     relu(x[pix(m,r,s), c]·scale[c] + shift[c])`` over rows ``[split·CHUNK, (split+1)·CHUNK)``: stored in
     the weight's dtype and strides when SPLIT == 1, else as fp32 partials ``dw[split, k, c, r, s]``."""
-    Cg: tl.constexpr = C // GROUPS
-    Kg: tl.constexpr = K // GROUPS
-    NKB: tl.constexpr = (Kg + BLOCK_M - 1) // BLOCK_M
-    NCB: tl.constexpr = (Cg + BLOCK_N - 1) // BLOCK_N
+    Cg = C // GROUPS
+    Kg = K // GROUPS
+    NKB = tl.cdiv(Kg, BLOCK_M)
+    NCB = tl.cdiv(Cg, BLOCK_N)
     kb = pid % NKB
     rest = pid // NKB
     cb = rest % NCB
@@ -330,11 +331,11 @@ def _wgrad_kernel(
     dw2_ptr, sw2k, sw2c, sw2r, sw2s,
     psum_ptr, num_parts, gbeta_ptr, ggamma_ptr, coef_ptr, inv_count,
     M, CHUNK, NUM_WGRAD, M2, CHUNK2, NUM_WGRAD2,
-    H: tl.constexpr, W: tl.constexpr, C: tl.constexpr, P: tl.constexpr, Q: tl.constexpr, K: tl.constexpr,
-    GROUPS: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+    H, W, C, P, Q, K,
+    GROUPS, R: tl.constexpr, S: tl.constexpr,
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
     DIL_H: tl.constexpr, DIL_W: tl.constexpr, SPLIT: tl.constexpr,
-    P2: tl.constexpr, Q2: tl.constexpr, K2: tl.constexpr, STRIDE2: tl.constexpr, SPLIT2: tl.constexpr,
+    P2, Q2, K2, STRIDE2: tl.constexpr, SPLIT2: tl.constexpr,
     SUM_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,

@@ -202,6 +202,22 @@ class TritonPlan:
         self._plan_buffers()
         self.idx64 = self._needs_idx64(shapes)
 
+    # ----------------------------------------------------------------------------------- launches
+    _recorder: Optional[list] = None
+
+    def _launch(self, name: str, fn, grid: tuple, *args, **kwargs) -> None:
+        """Launch ``fn[grid](*args, **kwargs)``, or, while :meth:`recording`, only record it."""
+        if self._recorder is not None:
+            self._recorder.append(Launch(name, fn, grid, args, kwargs))
+            return
+        fn[grid](*args, **kwargs)
+
+    def recording(self) -> "_Recording":
+        """``with plan.recording() as launches: plan.forward(...)`` lists the launches a call would make
+        (:class:`Launch` records, replayable with ``launch()``) instead of making them: for the
+        static SASS report and the per-kernel benchmark."""
+        return _Recording(self)
+
     # ------------------------------------------------------------------------------------ layout
     def _plan_proj(self) -> None:
         spec = self.spec
@@ -310,7 +326,7 @@ class TritonPlan:
                 num_parts = triton.cdiv(u.M_in, rows)
                 block_c = _p2(C, 16, 256) if interpreting() else 64
                 sn, sh, sw, sc = u.in_strides
-                BK._stats_partial_kernel[(num_parts, triton.cdiv(C, block_c))](
+                self._launch("stats", BK._stats_partial_kernel, (num_parts, triton.cdiv(C, block_c)),
                     x, sn, sh, sw, sc, part, u.M_in, H=u.in_shape[2], W=u.in_shape[3], C=C, IDX64=self.idx64,
                     BLOCK_M=rows, BLOCK_C=block_c, num_warps=8 if not interpreting() else 1)
             else:
@@ -322,7 +338,7 @@ class TritonPlan:
         block_c = _p2(C, 16, 256) if interpreting() else 64
         grid = (1,) if mode.cumulative else (triton.cdiv(C, block_c),)
         unbias = count / (count - 1) if count > 1 else 1.0
-        BK._finalize_kernel[grid](
+        self._launch("finalize", BK._finalize_kernel, grid,
             part, num_parts, count, rows, unbias,
             pack, t.gammas[i], t.betas[i], rm, rv, t.num_batches[i], float(t.momenta[i] or 0.0), float(t.eps[i]),
             C=C, MODE=mode.kind, HAS_AFFINE=mode.affine, UPDATE_RUNNING=mode.update, CUMULATIVE=mode.cumulative,
@@ -349,7 +365,7 @@ class TritonPlan:
         w2, sw2 = (t.proj_weight, t.proj_weight.stride()[:2]) if proj else (None, (0, 0))
         C2 = self.x_shape[1]
         grid = (triton.cdiv(u.M_out, cfg.BLOCK_M), triton.cdiv(K // g.groups, cfg.BLOCK_N), g.groups)
-        CK._fprop_kernel[grid](
+        self._launch("fprop", CK._fprop_kernel, grid,
             xin, sxn, sxh, sxw, sxc, w, swk, swc, swr, sws,
             self.aux_view(aux, f"pack{i}"), t.biases[i],
             xin2, *sin, w2, *sw2, self.aux_view(aux, "pack0") if proj else None,
@@ -371,7 +387,7 @@ class TritonPlan:
         N, C, H, W = self.x_shape
         _, K, P, Q = self.proj_shape
         w = t.proj_weight
-        CK._fprop_kernel[(triton.cdiv(N * P * Q, cfg.BLOCK_M), triton.cdiv(K, cfg.BLOCK_N), 1)](
+        self._launch("fprop_proj", CK._fprop_kernel, (triton.cdiv(N * P * Q, cfg.BLOCK_M), triton.cdiv(K, cfg.BLOCK_N), 1),
             x, *self.units[0].in_strides, w, *w.stride(), self.aux_view(aux, "pack0"), None,
             None, 0, 0, 0, 0, None, 0, 0, None,
             out, *self.proj_strides, None, N * P * Q,
@@ -499,7 +515,7 @@ class TritonPlan:
         cfg = u.dcfg
         num_parts = triton.cdiv(u.M_in, cfg.BLOCK_M)
         if not skip_dx or need_sums:
-            CK._dgrad_kernel[(num_parts, triton.cdiv(C // g.groups, cfg.BLOCK_N), g.groups)](
+            self._launch("dgrad", CK._dgrad_kernel, (num_parts, triton.cdiv(C // g.groups, cfg.BLOCK_N), g.groups),
                 g_out, *g_strides, w, *w.stride(), *dproj, xin, *sx, pack, out, *so, *dres, psum, u.M_in,
                 **geo, P2=P2, Q2=Q2, K2=K2, STRIDE2=stride2,
                 HAS_PROJ=proj, WRITE_DX=write_dx, HAS_RES=dres[0] is not None, **dot,
@@ -529,7 +545,7 @@ class TritonPlan:
         block_c = _p2(C, 16, 256) if interpreting() else 64
         n_red = triton.cdiv(C, block_c) if sum_mode else 0
         if n_wg + n_wg2 + n_red:
-            CK._wgrad_kernel[(n_wg + n_wg2 + n_red,)](
+            self._launch("wgrad", CK._wgrad_kernel, (n_wg + n_wg2 + n_red,),
                 g_out, *g_strides, xin, *sx, pack, dw_target, *sdw, *job2,
                 psum, num_parts, dbetas[i], dgammas[i], coef, 1.0 / u.M_in,
                 u.M_out, chunk, n_wg, M2, chunk2, n_wg2, **geo, SPLIT=u.split,
@@ -550,7 +566,7 @@ class TritonPlan:
             tgt = (target, *target_strides) if n_dx else (None, 0, 0, 0, 0)
             job1 = (wparts[i], dw, *dw.stride()) if n_red1 else (None, None, 0, 0, 0, 0)
             job2 = (wparts[-1], dproj_w, *dproj_w.stride()) if n_red2 else (None, None, 0, 0, 0, 0)
-            BK._dx_kernel[(n_dx + n_red1 + n_red2,)](
+            self._launch("dx", BK._dx_kernel, (n_dx + n_red1 + n_red2,),
                 scratch[0] if n_dx else None, xin, *sx, pack, coef, *rres, *tgt, u.M_in, n_dx,
                 *job1, n_red1, *job2,
                 H=H, W=W, C=C, HAS_RES=rres[0] is not None, IDX64=self.idx64,
@@ -561,6 +577,18 @@ class TritonPlan:
         if kind == EXTERNAL:
             return coef.view(2, C).unbind(0)
         return None
+
+
+class _Recording:
+    def __init__(self, plan: TritonPlan):
+        self.plan, self.launches = plan, []
+
+    def __enter__(self) -> list:
+        self.plan._recorder = self.launches
+        return self.launches
+
+    def __exit__(self, *exc) -> None:
+        self.plan._recorder = None
 
 
 def nhwc_strides_of(shape, strides) -> tuple[int, int, int, int]:
