@@ -25,7 +25,8 @@ import torch
 from fused_preact.ops import _bn_kernels as BK
 from fused_preact.ops import _conv_kernels as CK
 from fused_preact.ops._common import dot_dtype, input_precision, interpreting, nhwc_strides, triton, wants_channels_last
-from fused_preact.ops.chain_spec import BATCH, EXTERNAL, RUNNING, BNMode, ChainSpec, ChainTensors, ConvGeom, StatsHandoff
+from fused_preact.ops._tuning import cache_for, choose, tuning_enabled
+from fused_preact.ops.chain_spec import BATCH, EXTERNAL, BNMode, ChainSpec, ChainTensors, ConvGeom, StatsHandoff
 
 __all__ = ["TritonPlan", "GemmConfig", "fprop_config", "dgrad_config", "wgrad_config", "Launch"]
 
@@ -115,6 +116,54 @@ def _max_offset(shape, strides) -> int:
     return sum((s - 1) * abs(st) for s, st in zip((N, H, W, C), strides))
 
 
+def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype) -> list[GemmConfig]:
+    """The pruned tile space of a conv kernel for an (m × k)·(k × n) GEMM (``kind``: fprop, dgrad
+    or wgrad; for wgrad m is the output channels, n the input channels, k the rows): blocks clamped to
+    the problem (powers of two ≥ 16), duplicates removed. Every entry is compiled by the static report,
+    which fails CI if one spills."""
+    half = 2 if dtype == torch.float32 else 1
+    space = _WGRAD_SPACE if kind == "wgrad" else _GEMM_SPACE
+    out: list[GemmConfig] = []
+    for bm, bn, bk, warps, stages in space:
+        cfg = GemmConfig(min(bm, _p2(m, 16, bm)), min(bn, _p2(n, 16, bn)), min(bk // half, _p2(k, 16, bk // half)),
+                         warps, stages)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+#: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of fprop and dgrad; BLOCK_K halves for fp32 operands.
+_GEMM_SPACE = ((128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
+               (128, 64, 32, 4, 4), (64, 64, 64, 4, 4), (64, 64, 32, 4, 5))
+#: wgrad: (output channels, input channels, rows) per tile.
+_WGRAD_SPACE = ((128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4),
+                (128, 128, 32, 8, 4), (64, 64, 128, 4, 3))
+
+
+def _tunes_on(device: torch.device) -> bool:
+    """Plans tune their tiles on GPUs when tuning is enabled (see :mod:`fused_preact.ops._tuning`)."""
+    return device.type == "cuda" and tuning_enabled()
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def _contig_nchw_strides(shape) -> tuple[int, int, int, int]:
+    """Logical (N, C, H, W) strides of a channels_last tensor of ``shape``."""
+    N, C, H, W = shape
+    return (H * W * C, 1, W * C, C)
+
+
+def _random_tensors(u: "_Unit", device, cdtype) -> ChainTensors:
+    g = u.geom
+    C = u.in_shape[1]
+    w = torch.randn((g.out_channels, C // g.groups, *g.kernel), device=device, dtype=cdtype)
+    w = w.contiguous(memory_format=torch.channels_last)
+    gamma = torch.rand(C, device=device) + 0.5
+    return ChainTensors([w], [None], [gamma], [torch.randn(C, device=device)], [None], [None], [None], [0.1], [1e-5])
+
+
 @dataclasses.dataclass
 class Launch:
     """One kernel launch: ``fn[grid](*args, **kwargs)`` (kwargs: constexprs, num_warps, num_stages)."""
@@ -164,11 +213,15 @@ class TritonPlan:
             as a :class:`StatsHandoff`. out_stats: the last conv's epilogue writes its output's
             partial statistics (for the next block). residual_dtype: dtype of the ``r`` of
             ``residual="tensor"``.
+        overrides: ``{"fprop" | "dgrad" | "wgrad": GemmConfig}`` forced for every unit (tuning, the
+            static report); split: forced wgrad K-split; tune: look up / tune tiles
+            (:mod:`fused_preact.ops._tuning`) when tuning is enabled and the device is a GPU.
     """
 
     def __init__(self, spec: ChainSpec, modes: tuple[BNMode, ...], x_shape, x_strides, x_dtype: torch.dtype,
                  device: torch.device, cdtype: torch.dtype, in_stats: bool, out_stats: bool,
-                 residual_dtype: Optional[torch.dtype] = None):
+                 residual_dtype: Optional[torch.dtype] = None, overrides: Optional[dict] = None,
+                 split: Optional[int] = None, tune: bool = True):
         self.spec, self.modes, self.device, self.cdtype = spec, modes, device, cdtype
         self.x_shape, self.x_strides, self.x_dtype = tuple(x_shape), tuple(x_strides), x_dtype
         self.in_stats, self.out_stats = in_stats, out_stats
@@ -190,17 +243,66 @@ class TritonPlan:
             N, C, H, W = shapes[i]
             _, K, P, Q = shapes[i + 1]
             Cg, Kg = C // g.groups, K // g.groups
-            fcfg = fprop_config(N * P * Q, Kg, Cg, cdtype, stats_out)
-            dcfg = dgrad_config(N * H * W, Cg, Kg, cdtype)
-            wcfg = wgrad_config(Kg, Cg, N * P * Q, cdtype)
-            tiles = (triton.cdiv(Kg, wcfg.BLOCK_M) * triton.cdiv(Cg, wcfg.BLOCK_N) * g.kernel[0] * g.kernel[1]
-                     * g.groups)
-            split = _wgrad_split(N * P * Q, tiles, wcfg.BLOCK_K, device)
-            self.units.append(_Unit(g, shapes[i], shapes[i + 1], in_strides, out_strides, modes[i], fcfg, dcfg,
-                                    wcfg, split, stats_out))
+            over = overrides or {}
+            fcfg = over.get("fprop") or fprop_config(N * P * Q, Kg, Cg, cdtype, stats_out)
+            dcfg = over.get("dgrad") or dgrad_config(N * H * W, Cg, Kg, cdtype)
+            wcfg = over.get("wgrad") or wgrad_config(Kg, Cg, N * P * Q, cdtype)
+            unit = _Unit(g, shapes[i], shapes[i + 1], in_strides, out_strides, modes[i], fcfg, dcfg, wcfg, 1,
+                         stats_out)
+            if tune and overrides is None and _tunes_on(device):
+                self._tune_unit(unit, x_dtype)
+            unit.split = split or self._split(unit)
+            self.units.append(unit)
         self._plan_proj()
         self._plan_buffers()
         self.idx64 = self._needs_idx64(shapes)
+
+    def _split(self, u: _Unit) -> int:
+        g = u.geom
+        Cg, Kg = u.in_shape[1] // g.groups, u.out_shape[1] // g.groups
+        tiles = triton.cdiv(Kg, u.wcfg.BLOCK_M) * triton.cdiv(Cg, u.wcfg.BLOCK_N) * g.kernel[0] * g.kernel[1] * g.groups
+        return _wgrad_split(u.M_out, tiles, u.wcfg.BLOCK_K, self.device)
+
+    # ------------------------------------------------------------------------------------ tuning
+    def _tune_unit(self, u: _Unit, x_dtype: torch.dtype) -> None:
+        """Pick u's fprop, dgrad and wgrad tiles from the cache or by timing the candidates."""
+        g = u.geom
+        N, C, H, W = u.in_shape
+        K = u.out_shape[1]
+        base = (f"{self.cdtype}|{x_dtype}|R{g.kernel[0]}S{g.kernel[1]}|s{g.stride[0]}{g.stride[1]}|"
+                f"p{g.padding[0]}{g.padding[1]}|d{g.dilation[0]}{g.dilation[1]}|g{g.groups}|C{C}|K{K}|"
+                f"cl{int(self.channels_last)}")
+        cache = cache_for(_device_name(self.device))
+        to_d, from_d = dataclasses.asdict, lambda d: GemmConfig(**d)
+        Cg, Kg = C // g.groups, K // g.groups
+        for kind, m, n, k in (("fprop", u.M_out, Kg, Cg), ("dgrad", u.M_in, Cg, Kg), ("wgrad", Kg, Cg, u.M_out)):
+            attr = {"fprop": "fcfg", "dgrad": "dcfg", "wgrad": "wcfg"}[kind]
+            rows = u.M_in if kind == "dgrad" else u.M_out
+            key = f"{kind}|{base}|M{triton.next_power_of_2(rows)}|stats{int(u.stats_out)}"
+            cands = candidates(kind, m, n, k, self.cdtype)
+            best = choose(cache, key, cands, getattr(u, attr), lambda cfg: self._time_config(u, kind, cfg, x_dtype),
+                          to_d, from_d)
+            setattr(u, attr, best)
+
+    def _time_config(self, u: _Unit, kind: str, cfg: GemmConfig, x_dtype: torch.dtype) -> float:
+        """ms of u's ``kind`` kernel with tiles ``cfg``, on random data of u's shapes (a one-unit plan)."""
+        import triton.testing
+
+        plan = TritonPlan(ChainSpec((u.geom,)), (BNMode(BATCH, True),), u.in_shape, _contig_nchw_strides(u.in_shape),
+                          x_dtype, self.device, self.cdtype, False, u.stats_out, overrides={kind: cfg}, split=u.split
+                          if kind != "wgrad" else None)
+        t = _random_tensors(u, self.device, self.cdtype)
+        x = torch.randn(u.in_shape, device=self.device, dtype=x_dtype).contiguous(memory_format=torch.channels_last)
+        out, _, inputs, aux, _, _ = plan.forward(x, t)
+        if kind == "fprop":
+            with plan.recording() as launches:
+                plan.forward(x, t)
+        else:
+            dy = torch.randn_like(out)
+            with plan.recording() as launches:
+                plan.backward(dy, None, inputs, aux, t.weights, None, True, [True], [False], False, [t.gammas[0].dtype])
+        (launch,) = [rec for rec in launches if rec.name == kind]
+        return triton.testing.do_bench(launch, warmup=3, rep=10)
 
     # ----------------------------------------------------------------------------------- launches
     _recorder: Optional[list] = None

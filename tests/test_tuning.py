@@ -1,0 +1,96 @@
+"""Tile autotuning: the plan's tuning path (run through the interpreter with a stand-in timer), the
+persistent cache, and a second process reusing it without timing anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fused_preact.ops._triton as triton_plans
+from conftest import DEVICE
+from fused_preact import FusedPreActBlock
+from fused_preact.models import PreActBlock
+from fused_preact.ops import _tuning
+from fused_preact.ops._triton import GemmConfig, candidates
+
+pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="tunes through the interpreter with a stand-in timer")
+
+
+def _fake_timer(monkeypatch, timed: list):
+    """do_bench stand-in: runs the launch once (so its arguments are exercised) and 'times' it by its
+    tile shape, preferring BLOCK_M = 64 and BLOCK_N = 32-or-less (unlike the heuristic)."""
+    import triton.testing
+
+    def fake(fn, warmup=0, rep=0, **kw):
+        fn()
+        kwargs = fn.kwargs
+        timed.append((fn.name, kwargs.get("BLOCK_M"), kwargs.get("BLOCK_N")))
+        return abs(kwargs.get("BLOCK_M", 64) - 64) + abs(kwargs.get("BLOCK_N", 32) - 32) + 1.0
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake)
+
+
+def test_plan_tunes_picks_caches_and_stays_correct(monkeypatch, tmp_path):
+    cache = tmp_path / "tune.json"
+    monkeypatch.setenv("FUSED_PREACT_AUTOTUNE_CACHE", str(cache))
+    monkeypatch.setattr(_tuning, "_caches", {})
+    monkeypatch.setattr(triton_plans, "_tunes_on", lambda device: True)
+    timed: list = []
+    _fake_timer(monkeypatch, timed)
+    torch.manual_seed(0)
+    block = FusedPreActBlock(16, 16, backend="triton")
+    eager = PreActBlock(16, 16)
+    eager.load_state_dict(block.state_dict())
+    x = torch.randn(2, 16, 8, 8, requires_grad=True)
+    y = block(x)
+    assert {t[0] for t in timed} == {"fprop", "dgrad", "wgrad"}
+    plan = next(iter(block._plans.values()))[1]
+    assert all(u.fcfg.BLOCK_M == 64 and u.dcfg.BLOCK_M == 64 for u in plan.units)  # the fake timer's choice
+    entries = json.loads(cache.read_text())
+    assert len(entries) >= 3 and all(set(v) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
+                                     for v in entries.values())
+    y.sum().backward()
+    xe = x.detach().clone().requires_grad_()
+    eager(xe).sum().backward()
+    torch.testing.assert_close(y, eager(x.detach()), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(x.grad, xe.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_second_process_reuses_the_cache(tmp_path):
+    cache = tmp_path / "tune.json"
+    cfg = GemmConfig(64, 32, 16, 4, 4)
+    first = _tuning.TuneCache(str(cache))
+    got = _tuning.choose(first, "k1", [GemmConfig(128, 64, 32), cfg], None, lambda c: 1.0 if c == cfg else 2.0,
+                         lambda c: c.__dict__, lambda d: GemmConfig(**d))
+    assert got == cfg
+    code = textwrap.dedent("""
+        import sys
+        from fused_preact.ops import _tuning
+        from fused_preact.ops._triton import GemmConfig
+        def never(cfg):
+            raise SystemExit("timed a candidate although the cache has the key")
+        cache = _tuning.cache_for("cpu")
+        print(_tuning.choose(cache, "k1", [GemmConfig(128, 64, 32)], None, never, lambda c: c.__dict__,
+                             lambda d: GemmConfig(**d)))
+    """)
+    env = dict(os.environ, FUSED_PREACT_AUTOTUNE_CACHE=str(cache))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "BLOCK_M=64, BLOCK_N=32, BLOCK_K=16" in out.stdout
+
+
+def test_candidates_are_clamped_and_unique():
+    c = candidates("fprop", 10_000, 24, 8, torch.bfloat16)
+    assert all(cfg.BLOCK_N <= 32 and cfg.BLOCK_K == 16 for cfg in c) and len(c) == len(set(c))
+    assert all(cfg.BLOCK_K <= 32 for cfg in candidates("dgrad", 10_000, 256, 256, torch.float32))
+
+
+def test_tuning_can_be_disabled(monkeypatch):
+    monkeypatch.setenv("FUSED_PREACT_AUTOTUNE", "0")
+    assert not _tuning.tuning_enabled()
