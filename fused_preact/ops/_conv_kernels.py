@@ -168,47 +168,85 @@ def _dgrad_kernel(
     externally given statistics), ``dx = scale·dz`` plus, with HAS_RES, the gradient ``res`` that
     reaches x through an identity shortcut. HAS_PROJ adds the dgrad of a 1×1, stride-``STRIDE2``
     projection shortcut (``dy2``, ``w2`` (K2, C)) to ``da`` before the mask: conv1 and the projection
-    read the same pre-activation. Grid: (cdiv(M, BLOCK_M), cdiv(C/GROUPS, BLOCK_N), GROUPS).
+    read the same pre-activation. Grid: (cdiv(M, BLOCK_M), cdiv(C/GROUPS, BLOCK_N), GROUPS), or with a
+    stride > 1 and no dilation (phases, see below) (cdiv(N·⌈H/STRIDE_H⌉·⌈W/STRIDE_W⌉, BLOCK_M), …,
+    GROUPS·STRIDE_H·STRIDE_W); the sums then go to row ``phase·grid[0] + pid_m``.
     """
     Cg = C // GROUPS
     Kg = K // GROUPS
     NUM_KK = tl.cdiv(Kg, BLOCK_K)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    g = tl.program_id(2)
+    PHASED: tl.constexpr = (STRIDE_H > 1 or STRIDE_W > 1) and DIL_H == 1 and DIL_W == 1
+    if PHASED:
+        # Strided dgrad by phases (as CUTLASS's strided dgrad): the programs of phase (ph, pw) cover the
+        # pixels with h ≡ ph (mod STRIDE_H), w ≡ pw (mod STRIDE_W), and loop only over the taps that
+        # reach them — r ≡ ph + PAD_H (mod STRIDE_H) — instead of masking 1 − 1/stride² of the MMAs.
+        g = tl.program_id(2) % GROUPS
+        phase = tl.program_id(2) // GROUPS
+        ph0 = phase // STRIDE_W
+        pw0 = phase % STRIDE_W
+        Hp = tl.cdiv(H - ph0, STRIDE_H)
+        Wp = tl.cdiv(W - pw0, STRIDE_W)
+        r0 = (ph0 + PAD_H) % STRIDE_H
+        s0 = (pw0 + PAD_W) % STRIDE_W
+        NR = tl.cdiv(R - r0, STRIDE_H)
+        NS = tl.cdiv(S - s0, STRIDE_W)
+        step_h = STRIDE_H
+        step_w = STRIDE_W
+        part_row = phase * tl.num_programs(0) + pid_m
+    else:
+        g = tl.program_id(2)
+        ph0 = 0
+        pw0 = 0
+        r0 = 0
+        s0 = 0
+        Hp = H
+        Wp = W
+        NR = R
+        NS = S
+        step_h = 1
+        step_w = 1
+        part_row = pid_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
+    m_mask = offs_m < M // (H * W) * (Hp * Wp)
     n_mask = offs_n < Cg
     c_in = g * Cg + offs_n
-    wi = offs_m % W
-    hi = (offs_m // W) % H
-    nb = offs_m // (H * W)
+    wi = pw0 + (offs_m % Wp) * step_w
+    hi = ph0 + ((offs_m // Wp) % Hp) * step_h
+    nb = offs_m // (Hp * Wp)
     if IDX64:
         nb = nb.to(tl.int64)
     dbase = nb * sdn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for t in range(R * S * NUM_KK):
+    for t in range(NR * NS * NUM_KK):
         rs = t // NUM_KK
         k0 = (t - rs * NUM_KK) * BLOCK_K
-        r = rs // S
-        s = rs - r * S
+        r = r0 + (rs // NS) * step_h
+        s = s0 + (rs % NS) * step_w
         ph = hi + PAD_H - r * DIL_H
         pw = wi + PAD_W - s * DIL_W
-        if STRIDE_H == 1:
-            p = ph
-            ok_h = (ph >= 0) & (ph < P)
+        if PHASED:  # exact multiples of the stride by construction
+            p = ph // STRIDE_H
+            qq = pw // STRIDE_W
+            ok_h = (ph >= 0) & (p < P)
+            ok_w = (pw >= 0) & (qq < Q)
         else:
-            phc = tl.where(ph >= 0, ph, 0)
-            p = phc // STRIDE_H
-            ok_h = (ph >= 0) & (p * STRIDE_H == phc) & (p < P)
-        if STRIDE_W == 1:
-            qq = pw
-            ok_w = (pw >= 0) & (pw < Q)
-        else:
-            pwc = tl.where(pw >= 0, pw, 0)
-            qq = pwc // STRIDE_W
-            ok_w = (pw >= 0) & (qq * STRIDE_W == pwc) & (qq < Q)
+            if STRIDE_H == 1:
+                p = ph
+                ok_h = (ph >= 0) & (ph < P)
+            else:
+                phc = tl.where(ph >= 0, ph, 0)
+                p = phc // STRIDE_H
+                ok_h = (ph >= 0) & (p * STRIDE_H == phc) & (p < P)
+            if STRIDE_W == 1:
+                qq = pw
+                ok_w = (pw >= 0) & (pw < Q)
+            else:
+                pwc = tl.where(pw >= 0, pw, 0)
+                qq = pwc // STRIDE_W
+                ok_w = (pw >= 0) & (qq * STRIDE_W == pwc) & (qq < Q)
         valid = m_mask & ok_h & ok_w
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < Kg
@@ -253,7 +291,7 @@ def _dgrad_kernel(
         tl.store(optr, dzr, mask=tile_mask)
         dz = dzr.to(tl.float32)  # the sums see exactly what the dx pass will read
     xhat = tl.where(tile_mask, (xt - mu[None, :]) * istd[None, :], 0.0)
-    prow = psum_ptr + pid_m.to(tl.int64) * (2 * C) + c_in
+    prow = psum_ptr + part_row.to(tl.int64) * (2 * C) + c_in
     tl.store(prow, tl.sum(dz, axis=0), mask=n_mask)
     tl.store(prow + C, tl.sum(dz * xhat, axis=0), mask=n_mask)
 

@@ -140,6 +140,16 @@ _WGRAD_SPACE = ((128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), 
                 (128, 128, 32, 8, 4), (64, 64, 128, 4, 3))
 
 
+def _dgrad_tiles(u: "_Unit") -> tuple[int, int]:
+    """(row tiles per phase, phases) of u's dgrad grid: a strided, undilated conv runs by phases."""
+    g = u.geom
+    N, _, H, W = u.in_shape
+    sh, sw = g.stride
+    if max(sh, sw) > 1 and g.dilation == (1, 1):
+        return triton.cdiv(N * triton.cdiv(H, sh) * triton.cdiv(W, sw), u.dcfg.BLOCK_M), sh * sw
+    return triton.cdiv(u.M_in, u.dcfg.BLOCK_M), 1
+
+
 def _tunes_on(device: torch.device) -> bool:
     """Plans tune their tiles on GPUs when tuning is enabled (see :mod:`fused_preact.ops._tuning`)."""
     return device.type == "cuda" and tuning_enabled()
@@ -352,7 +362,8 @@ class TritonPlan:
                     fwd_tiles = triton.cdiv(self.units[i - 1].M_out, self.units[i - 1].fcfg.BLOCK_M)
                 elif not self.in_stats:
                     fwd_tiles = triton.cdiv(u.M_in, self._stats_rows())
-            bwd_tiles = triton.cdiv(u.M_in, u.dcfg.BLOCK_M)
+            m_tiles, phases = _dgrad_tiles(u)
+            bwd_tiles = m_tiles * phases
             sizes[f"part{i}"] = max(fwd_tiles, bwd_tiles) * 2 * C
             sizes[f"coef{i}"] = 2 * C
         last = self.units[-1]
@@ -615,9 +626,10 @@ class TritonPlan:
         res_grad = i == 0 and spec.residual == "input" and not skip_dx
         dres = (dy, *nhwc_strides(dy)) if (res_grad and write_dx) else (None, 0, 0, 0, 0)
         cfg = u.dcfg
-        num_parts = triton.cdiv(u.M_in, cfg.BLOCK_M)
+        m_tiles, phases = _dgrad_tiles(u)
+        num_parts = m_tiles * phases
         if not skip_dx or need_sums:
-            self._launch("dgrad", CK._dgrad_kernel, (num_parts, triton.cdiv(C // g.groups, cfg.BLOCK_N), g.groups),
+            self._launch("dgrad", CK._dgrad_kernel, (m_tiles, triton.cdiv(C // g.groups, cfg.BLOCK_N), g.groups * phases),
                 g_out, *g_strides, w, *w.stride(), *dproj, xin, *sx, pack, out, *so, *dres, psum, u.M_in,
                 **geo, P2=P2, Q2=Q2, K2=K2, STRIDE2=stride2,
                 HAS_PROJ=proj, WRITE_DX=write_dx, HAS_RES=dres[0] is not None, **dot,
