@@ -99,10 +99,15 @@ def _fprop_kernel(
     base = nb * sxn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for t in range(R * S * NUM_CK):
-        rs = t // NUM_CK
-        c0 = (t - rs * NUM_CK) * BLOCK_K
-        r = rs // S
-        s = rs - r * S
+        if R * S == 1:  # a 1×1 filter: no tap terms (they would hide the weight's alignment)
+            c0 = t * BLOCK_K
+            r = 0
+            s = 0
+        else:
+            rs = t // NUM_CK
+            c0 = (t - rs * NUM_CK) * BLOCK_K
+            r = rs // S
+            s = rs - r * S
         ih = ih0 + r * DIL_H
         iw = iw0 + s * DIL_W
         valid = m_mask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
@@ -221,10 +226,15 @@ def _dgrad_kernel(
     dbase = nb * sdn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for t in range(NR * NS * NUM_KK):
-        rs = t // NUM_KK
-        k0 = (t - rs * NUM_KK) * BLOCK_K
-        r = r0 + (rs // NS) * step_h
-        s = s0 + (rs % NS) * step_w
+        if R * S == 1:
+            k0 = t * BLOCK_K
+            r = 0
+            s = 0
+        else:
+            rs = t // NUM_KK
+            k0 = (t - rs * NUM_KK) * BLOCK_K
+            r = r0 + (rs // NS) * step_h
+            s = s0 + (rs % NS) * step_w
         ph = hi + PAD_H - r * DIL_H
         pw = wi + PAD_W - s * DIL_W
         if PHASED:  # exact multiples of the stride by construction
@@ -373,7 +383,7 @@ def _wgrad_kernel(
     GROUPS, R: tl.constexpr, S: tl.constexpr,
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
     DIL_H: tl.constexpr, DIL_W: tl.constexpr, SPLIT: tl.constexpr,
-    P2, Q2, K2, STRIDE2: tl.constexpr, SPLIT2: tl.constexpr,
+    P2, Q2, K2, STRIDE2: tl.constexpr, SPLIT2: tl.constexpr, HAS_JOB2: tl.constexpr,
     SUM_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -382,7 +392,7 @@ def _wgrad_kernel(
     """Three roles in one launch (1-D grid), each needing only what the dgrad launch before it wrote.
 
     Programs ``[0, NUM_WGRAD)``: :func:`_wgrad_tile` of the conv (x, dy, its geometry).
-    Programs ``[NUM_WGRAD, NUM_WGRAD + NUM_WGRAD2)``: :func:`_wgrad_tile` of a 1×1, stride-STRIDE2
+    Programs ``[NUM_WGRAD, NUM_WGRAD + NUM_WGRAD2)`` (HAS_JOB2): :func:`_wgrad_tile` of a 1×1, stride-STRIDE2
     projection shortcut reading the same pre-activation (``dy2`` (N, P2, Q2, K2), ``dw2`` (K2, C)).
     The remaining programs fold the dgrad tiles' partial Σdz, Σdz·x̂ (``num_parts`` rows of ``psum``,
     in order: deterministic) for BLOCK_C channels each. SUM_MODE 1 (batch statistics): dβ = Σdz and
@@ -396,7 +406,7 @@ def _wgrad_kernel(
         _wgrad_tile(dy_ptr, sdn, sdh, sdw, sdc, x_ptr, sxn, sxh, sxw, sxc, pack_ptr, dw_ptr, swk, swc, swr, sws,
                     pid, M, CHUNK, H, W, C, P, Q, K, GROUPS, R, S, STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W,
                     SPLIT, DOT_DTYPE, INPUT_PRECISION, IDX64, BLOCK_M, BLOCK_N, BLOCK_R)
-    elif pid < NUM_WGRAD + NUM_WGRAD2:
+    elif HAS_JOB2 and pid < NUM_WGRAD + NUM_WGRAD2:
         _wgrad_tile(dy2_ptr, sd2n, sd2h, sd2w, sd2c, x_ptr, sxn, sxh, sxw, sxc, pack_ptr,
                     dw2_ptr, sw2k, sw2c, sw2r, sw2s,
                     pid - NUM_WGRAD, M2, CHUNK2, H, W, C, P2, Q2, K2, 1, 1, 1, STRIDE2, STRIDE2, 0, 0, 1, 1,

@@ -71,10 +71,12 @@ def fprop_config(M: int, Kg: int, Cg: int, dtype: torch.dtype, stats: bool) -> G
 
 
 def dgrad_config(M: int, Cg: int, Kg: int, dtype: torch.dtype) -> GemmConfig:
-    """Default dgrad tiles (M = N·H·W input pixels, N = Cg, reduction over taps × Kg)."""
+    """Default dgrad tiles (M = N·H·W input pixels, N = Cg, reduction over taps × Kg). 64-row tiles:
+    the epilogue holds the accumulator, x, the mask and x̂ at once, and 128-row tiles sit at the
+    255-register limit (they spill on sm_80 in bf16 and on sm_90 in fp32; see the static report)."""
     if interpreting():
         return GemmConfig(_p2(M, 16, _INTERP_SUM_ROWS), _p2(Cg, 16, 256), _p2(Kg, 16, 256))
-    return _gpu_gemm(M, Cg, Kg, dtype)
+    return GemmConfig(64, _p2(Cg, 16, 128), _p2(Kg, 16, 32 if dtype == torch.float32 else 64), 4, 3)
 
 
 def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype) -> GemmConfig:
@@ -663,7 +665,7 @@ class TritonPlan:
                 g_out, *g_strides, xin, *sx, pack, dw_target, *sdw, *job2,
                 psum, num_parts, dbetas[i], dgammas[i], coef, 1.0 / u.M_in,
                 u.M_out, chunk, n_wg, M2, chunk2, n_wg2, **geo, SPLIT=u.split,
-                P2=P2, Q2=Q2, K2=K2, STRIDE2=stride2, SPLIT2=self.proj_split,
+                P2=P2, Q2=Q2, K2=K2, STRIDE2=stride2, SPLIT2=self.proj_split, HAS_JOB2=n_wg2 > 0,
                 SUM_MODE=sum_mode, HAS_GAMMA=has_gamma, **dot,
                 BLOCK_M=wc.BLOCK_M, BLOCK_N=wc.BLOCK_N, BLOCK_R=wc.BLOCK_K,
                 BLOCK_M2=pwc.BLOCK_M if pwc else 16, BLOCK_N2=pwc.BLOCK_N if pwc else 16,
