@@ -507,6 +507,7 @@ def test_report_is_readable_logged_and_optional(caplog):
     assert str(report) in text
     assert str(report).splitlines() == [
         "fused_preact.convert: 2 replaced, 1 not replaced",
+        "runs: reference",
         "replaced:",
         "  1+2+3: BatchNorm2d→ReLU→Conv2d -> fused BN→ReLU→Conv run (FusedSequential)",
         "  4+5+6: BatchNorm2d→ReLU→Conv2d -> fused BN→ReLU→Conv run (FusedSequential)",
