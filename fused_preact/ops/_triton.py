@@ -32,7 +32,7 @@ __all__ = ["TritonPlan", "GemmConfig", "fprop_config", "dgrad_config", "wgrad_co
 
 _INT32_MAX = 2**31 - 1
 #: Rows per statistics tile under the interpreter: its sums are sequential in fp32, so tiles stay short.
-_INTERP_SUM_ROWS = 256
+_INTERP_SUM_ROWS = 4096
 #: Weight-gradient entries per program of the split-K fold.
 _FOLD_BLOCK = 1024
 
