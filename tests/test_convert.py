@@ -363,7 +363,7 @@ def test_verify_false_trusts_the_usual_layout():
 
 def test_preactivated_identity_snippet():
     torch.manual_seed(0)
-    model = CifarNet([PreactIdentityBlock(8, 8), CifarPreActBlock(8, 8)])
+    model = CifarNet([PreactIdentityBlock(8, 8), CifarPreActBlock(8, 8)]).to(DEVICE)
     eager = copy.deepcopy(model)
     _, report = convert(model, backend="reference", report=True)
     assert [r.fused for r in report.replaced] == [
@@ -405,11 +405,12 @@ def test_resnetv2_family(timm, name):
 
     The registered configurations with narrow channels (8/16/32/64, stem 8) so the test is fast;
     converted and eager copies agree in both modes on the reference backend (the fused kernels are
-    covered by test_converted_matches_eager).
+    covered by test_converted_matches_eager), on DEVICE (CUDA where there is one).
     """
     torch.manual_seed(0)
     model = timm.create_model(name, num_classes=3, channels=(8, 16, 32, 64), stem_chs=8)
     _randomize_bn(model)
+    model = model.to(DEVICE)  # on a CUDA machine the model, the probe and the inputs are on CUDA
     eager = copy.deepcopy(model)
     before = _snapshot(model)
     _, report = convert(model, backend="reference", report=True)
@@ -562,3 +563,75 @@ def test_package_attribute_convert_is_the_function():
     out, report = fused_preact.convert(copy.deepcopy(seq), backend="reference", report=True)
     assert isinstance(out, FusedSequential) and len(report.replaced) == 1
     assert fused_preact.ConversionReport is ConversionReport
+
+
+# ----------------------------------------------------------------------------------------------
+# devices, dtypes, RNG: convert() leaves the model and the process as it found them
+
+
+def _mixed_model(dtype: torch.dtype, device) -> nn.Module:
+    """Blocks and Sequential runs (every probe kind), with mixed training flags, in ``dtype`` on ``device``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_cifar_mixed(), _dense_sequential()[:7], CifarNet([RawProjectionBlock(8, 16, 2)]))
+    _randomize_bn(model)
+    model[0].layers[1].eval()
+    model[1][4].eval()
+    return model.to(device, dtype)
+
+
+def _state(model: nn.Module) -> dict:
+    """Everything of ``model`` that convert() must leave as it is, keyed by qualified name."""
+    state = {f"{n}.training": m.training for n, m in model.named_modules()}
+    for n, t in list(model.named_parameters()) + list(model.named_buffers()):
+        state[n] = (t.device, t.dtype, t.requires_grad, t.detach().clone())
+    return state
+
+
+def _assert_same(after: dict, before: dict) -> None:
+    assert list(after) == list(before)
+    for k, v in before.items():
+        if isinstance(v, tuple):
+            assert after[k][:3] == v[:3], k
+            assert torch.equal(after[k][3], v[3]), k
+        else:
+            assert after[k] == v, k
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_convert_keeps_rng_device_dtype_flags_and_values(dtype, device):
+    model = _mixed_model(dtype, device)
+    before = _state(model)
+    torch.manual_seed(1234)
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device == "cuda" else None
+    _, report = convert(model, report=True)
+    assert len(report.replaced) == 5, str(report)
+    _assert_same(_state(model), before)
+    assert torch.equal(torch.get_rng_state(), cpu_rng), "convert() changed the CPU RNG state"
+    if cuda_rng is not None:
+        assert torch.equal(torch.cuda.get_rng_state(device), cuda_rng), "convert() changed the CUDA RNG state"
+
+
+def test_convert_of_a_cpu_model_never_touches_cuda(monkeypatch):
+    """With CUDA reported available (as on a GPU machine), converting a CPU model calls nothing of
+    torch.cuda beyond is_available: any CUDA RNG, device or allocation call is recorded and fails."""
+    model = _mixed_model(torch.float32, "cpu")
+    calls = []
+
+    def forbidden(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            raise AssertionError(f"convert() of a CPU model called torch.cuda.{name}")
+        return call
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("_lazy_init", "init", "device_count", "current_device", "set_device", "device", "manual_seed",
+                 "manual_seed_all", "seed", "get_rng_state", "set_rng_state", "get_rng_state_all",
+                 "set_rng_state_all", "synchronize", "current_stream", "memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, forbidden(name))
+    monkeypatch.setattr(torch.cuda, "default_generators", ())
+    _, report = convert(model, report=True)
+    assert not calls, calls
+    assert len(report.replaced) == 5, str(report)  # a probe that raised would have refused its block
+    assert {t.device.type for t in model.parameters()} == {"cpu"}
