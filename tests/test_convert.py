@@ -351,8 +351,10 @@ def _cases_16_bit():
     these models) fp16 on two models that between them run fused blocks (identity and projection
     shortcuts, a bottleneck) and Sequential runs; no bf16: the interpreter converts fp32 to bf16 by
     truncation (round toward zero; the GPU rounds to nearest), so its bf16 results are not the GPU's."""
-    if HAS_CUDA:
-        return [(m, dt) for m in MODELS for dt in (torch.float16, torch.bfloat16)]
+    if HAS_CUDA:  # two models cover every kernel and conversion path; the others are ``slow``
+        core = ("cifar-basic-bottleneck", "timm-bottleneck-d-droppath")
+        return [pytest.param(m, dt, marks=() if m in core else pytest.mark.slow)
+                for m in MODELS for dt in (torch.float16, torch.bfloat16)]
     return [("cifar-basic-bottleneck", torch.float16), ("sequential-densenet", torch.float16)]
 
 
@@ -472,7 +474,11 @@ RESNETV2 = {
 }
 
 
-@pytest.mark.parametrize("name", list(RESNETV2))
+#: deeper variants: the same blocks, stems and shortcut kinds as 18, 18d, 50, 50d, 50t, more of them
+_DEEPER = {"resnetv2_34", "resnetv2_34d", "resnetv2_101", "resnetv2_101d", "resnetv2_152", "resnetv2_152d"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n in _DEEPER else ()) for n in RESNETV2])
 def test_resnetv2_family(timm, name):
     """Every block and the deep/tiered stem's BN→Conv runs are replaced; only the final norm stays.
 
