@@ -2,9 +2,11 @@
 # What a session lent a GPU runs, one stage per device-tool call (each fits the 10-minute limit;
 # every step has its own timeout, and the logs and results land under $OUT, at most 8 files):
 #
-#   bash benchmarks/gpu_session.sh check   environment, test suite on CUDA (no interpreter),
-#                                          compute-sanitizer on one small fused unit, the main job,
-#                                          pytest-benchmark quick set (~9.5 min)
+#   bash benchmarks/gpu_session.sh check   environment, test suite on CUDA (no interpreter) without
+#                                          the `slow` tests (-m "not slow", 240 s at most),
+#                                          compute-sanitizer on one small fused unit, the main job, then
+#                                          the `slow` tests and the pytest-benchmark quick set with the
+#                                          time left (~9.5 min)
 #   bash benchmarks/gpu_session.sh bench   "$PY" -m fused_preact.bench (full, --time-limit ~470 s):
 #                                          <device>-<date>.json/.md/.png (~9.5 min). It runs eager,
 #                                          fused and CUDA graphs everywhere first, then torch.compile
@@ -72,7 +74,9 @@ bench() {  # extra arguments for "$PY" -m fused_preact.bench; results into $OUT,
 
 case "$STAGE" in
   check)
-    run tests 240 "$PY" -m pytest tests -n 8 -q -p no:cacheprovider > "$OUT/tests.log" 2>&1
+    # every kernel path, without the tests marked slow (more shapes and depths of the same paths; see
+    # pyproject.toml); Triton's on-disk cache is shared by the 8 workers
+    run tests 240 "$PY" -m pytest tests -n 8 -q -p no:cacheprovider -m "not slow" > "$OUT/tests.log" 2>&1
     tail -15 "$OUT/tests.log"
     run sanitizer 90 "$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)" --tool memcheck --print-limit 20 "$PY" - > "$OUT/sanitizer.log" 2>&1 <<'PYEOF'
 import torch
@@ -86,6 +90,13 @@ PYEOF
     tail -3 "$OUT/sanitizer.log"
     run main-job 120 "$PY" -m fused_preact --json "$OUT/main_job.json" > "$OUT/main_job.log" 2>&1
     grep -v "training:" "$OUT/main_job.log" | tail -12
+    left=$((420 - SECONDS))  # the slow tests first, leaving ~2 min for the benchmark quick set
+    if [ "$left" -ge 60 ]; then
+      run tests-slow "$left" "$PY" -m pytest tests -n 8 -q -p no:cacheprovider -m slow > "$OUT/tests_slow.log" 2>&1
+      tail -8 "$OUT/tests_slow.log"
+    else
+      echo "=== tests-slow: skipped, only ${left}s left"
+    fi
     pytest_bench $((540 - SECONDS))
     ;;
   bench)

@@ -48,10 +48,14 @@ Verification (``verify=True``, the default)
     difference), and a converted copy of it running ``backend="reference"`` are run in float64 on
     two random (2, C, S, S) images (S = 4 unless the convs need more), in eval mode and then in
     training mode, with the same RNG seed (so ``DropPath`` draws the same mask). Outputs, input
-    gradients, parameter gradients and buffers must agree to 1e-6 (relative, max-norm). The
-    model's own parameters and buffers are never touched by the probe. Probe results are reused
-    for modules with the same class, ``repr`` and plain attributes (the repeated blocks of a
-    stage), so a ResNet-152 costs about a dozen probes, each two deep copies of one block.
+    gradients, parameter gradients and buffers must agree to 1e-6 (relative, max-norm). The probe
+    runs on the block's own device (where its parameters and buffers are; a block spread over
+    several devices is not converted) and allocates nothing elsewhere; it seeds only the CPU
+    generator and that device's generator and restores both, so the global RNG state, and the
+    model's device, dtype, ``training`` flags, parameters and buffers, are as they were before
+    ``convert``. Probe results are reused for modules with the same class, ``repr``, plain
+    attributes and devices (the repeated blocks of a stage), so a ResNet-152 costs about a dozen
+    probes, each two deep copies of one block.
 
 Source semantics copied: timm 1.0 ``timm/models/resnetv2.py`` (``PreActBasic``,
 ``PreActBottleneck``, ``DownsampleConv``, ``DownsampleAvg``, ``create_resnetv2_stem``) and
@@ -61,12 +65,13 @@ Mappings in Deep Residual Networks", ECCV 2016, Fig. 4(e) and §4.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
 import math
 from collections import OrderedDict
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -398,26 +403,67 @@ def _probe_size(convs: list[nn.Conv2d]) -> int:
     return size
 
 
-def _seed(device: torch.device, seed: int) -> None:
-    """Seed the generators ``device`` draws from (``torch.manual_seed`` would touch every backend)."""
-    torch.default_generator.manual_seed(seed)
+def _generator(device: torch.device) -> torch.Generator:
+    """The global generator that ops on ``device`` draw from: the CPU one, or that CUDA device's
+    (``torch.cuda.default_generators``). Nothing else is looked at, so a CPU block never touches CUDA."""
+    if device.type == "cpu":
+        return torch.default_generator
     if device.type == "cuda":
-        with torch.cuda.device(device):
-            torch.cuda.manual_seed(seed)
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    raise RuntimeError(f"the probe runs on CPU and CUDA devices only, not {device}")
+
+
+@contextlib.contextmanager
+def _rng_preserved(device: torch.device) -> Iterator[Callable[[int], None]]:
+    """Save the CPU generator and ``device``'s, yield a ``seed(n)`` that seeds both, restore both on exit.
+
+    Exactly the generators a probe on ``device`` draws from are saved and restored (``fork_rng``
+    and ``torch.manual_seed`` would touch every device of the process).
+    """
+    gens = [torch.default_generator] + ([_generator(device)] if device.type != "cpu" else [])
+    states = [g.get_state() for g in gens]
+
+    def seed(n: int) -> None:
+        for g in gens:
+            g.manual_seed(n)
+
+    try:
+        yield seed
+    finally:
+        for g, state in zip(gens, states):
+            g.set_state(state)
+
+
+def _devices(module: nn.Module) -> set[torch.device]:
+    """The devices of ``module``'s parameters and buffers."""
+    return {t.device for t in module.parameters()} | {t.device for t in module.buffers()}
+
+
+def _probe_device(module: nn.Module) -> torch.device:
+    """The one device of ``module``'s parameters and buffers (CPU for a module holding none).
+
+    Raises:
+        RuntimeError: they lie on more than one device.
+    """
+    devices = _devices(module)
+    if len(devices) > 1:
+        raise RuntimeError(f"parameters and buffers on several devices ({sorted(map(str, devices))})")
+    return devices.pop() if devices else torch.device("cpu")
 
 
 def _probe(original: nn.Module, build: Callable[[nn.Module], nn.Module], channels: int, size: int) -> Optional[str]:
     """Run a randomized float64 copy of ``original`` against ``build(copy)`` (backend "reference").
 
-    Returns ``None`` when outputs, gradients and buffers agree in eval and training mode, else a
-    short reason. Nothing of ``original`` is modified.
+    Everything runs on ``original``'s own device (its parameters' and buffers'), on deep copies in
+    float64 (1e-6 is meaningful there; a wrong shortcut reading differs by O(1)); the CPU generator
+    and that device's generator are seeded for the probe and restored afterwards, and no other
+    device is touched. Returns ``None`` when outputs, gradients and buffers agree in eval and
+    training mode, else a short reason. Nothing of ``original`` is modified.
     """
-    p = next(iter(original.parameters()), None)
-    device = p.device if p is not None else torch.device("cpu")
-    devices = [device] if device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=devices):
-            _seed(device, 0)
+        device = _probe_device(original)
+        with _rng_preserved(device) as _seed:
+            _seed(0)
             ref = copy.deepcopy(original)
             _randomize_(ref)
             ref = ref.double()
@@ -429,9 +475,9 @@ def _probe(original: nn.Module, build: Callable[[nn.Module], nn.Module], channel
                 outs, grads = [], []
                 for m in (ref, cand):
                     xi = x.clone().requires_grad_()
-                    _seed(device, 1)
+                    _seed(1)
                     y = m(xi)
-                    _seed(device, 2)
+                    _seed(2)
                     y.backward(torch.randn_like(y))
                     outs.append(y.detach())
                     grads.append(xi.grad)
@@ -553,8 +599,8 @@ class _Converter:
 
     def _probe(self, module: nn.Module, mode: str, build: Callable[[nn.Module], nn.Module], channels: int,
                size: int) -> Optional[str]:
-        """:func:`_probe`, memoized on the module's signature (blocks repeat within a stage)."""
-        key = (_signature(module), mode)
+        """:func:`_probe`, memoized on the module's signature and devices (blocks repeat within a stage)."""
+        key = (_signature(module), mode, ','.join(sorted(map(str, _devices(module)))))
         if key not in self.probed:
             self.probed[key] = _probe(module, build, channels, size)
         return self.probed[key]

@@ -295,10 +295,28 @@ def test_layer_harness_computes_the_unit_and_its_gradients(host_harness):
     assert len(times) == 4 and all(t > 0 for t in times)
 
 
-def test_unavailable_providers_skip_with_a_reason(host_harness):
+@pytest.fixture(params=["extension-built", "extension-missing"])
+def cuda_extension(request, monkeypatch):
+    """Either state of ``fused_preact._C`` whatever this machine has: loaded or not (the dispatcher asks
+    ``fused_preact.ops._cuda.available()``)."""
+    from fused_preact.ops import _cuda
+
+    built = request.param == "extension-built"
+    monkeypatch.setattr(_cuda, "available", lambda: built)
+    monkeypatch.setattr(_cuda, "load_error", lambda: None if built else "ImportError: fused_preact._C is not built")
+    return built
+
+
+def test_unavailable_providers_skip_with_a_reason(host_harness, cuda_extension):
+    """On a CPU tensor the cuda provider is skipped, with the extension built (the tensor is on the CPU)
+    or not (the extension is missing); a shape the CUTLASS kernels do not serve is skipped by its reason."""
     u = UnitShape("m", "m/l/c", 2, 8, 4, 4, 8, 1, 1)
-    with pytest.raises(BT.Skip, match="cuda"):
+    with pytest.raises(BT.Skip, match="cuda") as skip:
         BT.unit_module("cuda", u, torch.bfloat16)
+    assert ("is on cpu" if cuda_extension else "not available") in str(skip.value)
+    grouped = UnitShape("m", "m/l/c", 2, 8, 4, 4, 8, 3, 3, (1, 1), (1, 1), (1, 1), 2)
+    with pytest.raises(BT.Skip, match="groups=2 not supported"):
+        BT.unit_module("cuda", grouped, torch.bfloat16)
     with pytest.raises(BT.Skip, match="CIFAR"):
         BT.StepHarness(bench.MODEL_SPECS["preact_resnet50"], "triton-cudagraph", 2, torch.float32, 50 << 20)
     with pytest.raises(ValueError):

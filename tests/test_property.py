@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -38,6 +39,9 @@ def geometries(draw):
     return (N, C, H, W, K, R, stride, pad, dil, groups)
 
 
+# Random geometries add shapes to the kernel paths test_op.py covers one by one; on a GPU each example
+# is a handful of Triton compilations, so the whole test is ``slow`` (run last by gpu_session.sh check).
+@pytest.mark.slow
 @given(
     shape=geometries(),
     training=st.booleans(),

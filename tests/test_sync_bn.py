@@ -1,9 +1,10 @@
-"""Synchronized BN for the fused modules: 2 processes on gloo (CPU) against one process on the whole batch.
+"""Synchronized BN for the fused modules: 2 processes on gloo against one process on the whole batch.
 
-Each rank runs a fused block on its slice of one global batch (slices of unequal size), after
-``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` — torch's own converter, to show it keeps the model
-fused and synchronized. Rank 0 compares with float64 eager BN → ReLU → Conv on the concatenated batch:
-outputs, input grads, parameter grads (summed over ranks), BN grads and running stats.
+Each rank runs a fused unit and a fused block on its slice of one global batch (slices of unequal
+size), after ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` — torch's own converter, to show it
+keeps the model fused and synchronized. The test process compares with float64 eager
+BN → ReLU → Conv on the CPU on the concatenated batch: outputs, input grads, parameter grads
+(summed over ranks), BN grads and running stats.
 """
 
 from __future__ import annotations
@@ -23,9 +24,14 @@ from conftest import DEVICE
 from fused_preact import FusedBNReLUConv2d, FusedPreActBlock
 from fused_preact.models import PreActBlock
 from fused_preact.modules import convert_sync_batchnorm
-from helpers import rel_err
+from helpers import TOL, rel_err
 
 SPLITS = (5, 2)  # images per rank: unequal on purpose
+#: precision case -> (dtype the ranks compute in, [(module kind, backend of the fused modules), ...])
+PRECISIONS = {
+    "fp32-fused": (torch.float32, [("unit", "auto"), ("block", "auto"), ("unit", "reference")]),
+    "fp64-reference": (torch.float64, [("unit", "reference"), ("block", "reference")]),
+}
 
 
 def _free_port() -> int:
@@ -34,13 +40,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _build(kind: str) -> tuple[nn.Module, nn.Module]:
+def _build(kind: str, backend: str = "auto") -> tuple[nn.Module, nn.Module]:
+    """(fused module with ``backend``, its float64 eager twin on the CPU), same parameters."""
     torch.manual_seed(0)
-    if kind.startswith("unit"):
-        fused = FusedBNReLUConv2d(8, 12, 3, padding=1, stride=2, backend="reference" if kind == "unit_reference" else "auto")
+    if kind == "unit":
+        fused = FusedBNReLUConv2d(8, 12, 3, padding=1, stride=2, backend=backend)
         eager = nn.Sequential(OrderedDict(bn=copy.deepcopy(fused.bn), relu=nn.ReLU(), conv=copy.deepcopy(fused.conv)))
     else:
-        fused = FusedPreActBlock(8, 16, stride=2)
+        fused = FusedPreActBlock(8, 16, stride=2, backend=backend)
         eager = PreActBlock(8, 16, stride=2)
     for m in fused.modules():
         if isinstance(m, nn.BatchNorm2d):
@@ -58,64 +65,112 @@ def _data(steps: int):
     return xs
 
 
-def _worker(rank: int, world: int, port: int, kind: str, out_path: str, steps: int) -> None:
+def _worker(rank: int, world: int, port: int, precision: str, out_path: str, steps: int) -> None:
+    # A spawned process starts with PyTorch's defaults, not the test process's settings: there
+    # cudnn.allow_tf32 is True, and the Triton fp32 kernels follow it (TF32 dot products). Say IEEE.
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    dtype, cases = PRECISIONS[precision]
     try:
-        fused, _ = _build(kind)
-        fused = convert_sync_batchnorm(fused).to(DEVICE)
-        lo = sum(SPLITS[:rank])
-        res = []
-        for x in _data(steps):
-            xl = x[lo:lo + SPLITS[rank]].to(DEVICE).requires_grad_()
-            fused.zero_grad()
-            y = fused(xl)
-            g = torch.cos(torch.arange(y[0].numel(), dtype=y.dtype, device=y.device)).view_as(y[0])
-            (y * g).sum().backward()
-            grads = {k: p.grad.detach().clone() for k, p in fused.named_parameters()}
-            for t in grads.values():
-                dist.all_reduce(t)
-            res.append(dict(y=y.detach().cpu(), dx=xl.grad.cpu(), grads={k: v.cpu() for k, v in grads.items()},
-                            state={k: v.cpu().clone() for k, v in fused.state_dict().items()},
-                            types=sorted({type(m).__name__ for m in fused.modules()}),
-                            backends=getattr(fused, "last_backend", None)))
+        res = {}
+        for kind, backend in cases:
+            fused, _ = _build(kind, backend)
+            fused = convert_sync_batchnorm(fused).to(DEVICE, dtype)
+            lo = sum(SPLITS[:rank])
+            res[kind, backend] = []
+            for x in _data(steps):
+                xl = x[lo:lo + SPLITS[rank]].to(DEVICE, dtype).requires_grad_()
+                fused.zero_grad()
+                y = fused(xl)
+                g = torch.cos(torch.arange(y[0].numel(), dtype=y.dtype, device=y.device)).view_as(y[0])
+                (y * g).sum().backward()
+                grads = {k: p.grad.detach().clone() for k, p in fused.named_parameters()}
+                for t in grads.values():
+                    dist.all_reduce(t)
+                res[kind, backend].append(dict(
+                    y=y.detach().cpu(), dx=xl.grad.cpu(), grads={k: v.cpu() for k, v in grads.items()},
+                    state={k: v.cpu().clone() for k, v in fused.state_dict().items()},
+                    types=sorted({type(m).__name__ for m in fused.modules()}),
+                    backends=getattr(fused, "last_backend", None), dtype=y.dtype))
         torch.save(res, f"{out_path}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["unit", "block", "unit_reference"])
-def test_sync_bn_two_processes_equals_one_big_batch(kind, tmp_path):
+_FP64_DEFECT = (
+    "known defect in the op layer: in float64 the synchronized path computes in fp32 (modules.py, "
+    "fused_bn_relu_convs' sync + reference branch: x.float(), bn.weight.float(); ops/sync_stats.py, "
+    "_SyncStats.backward: d_mean.float(), d_invstd.float(), x.float()): outputs and gradients are off "
+    "by 2e-8 to 3e-8. "
+    "Computing in the statistics' dtype there passes at 1e-10; then remove this mark."
+)
+
+
+@pytest.mark.parametrize("precision", [
+    "fp32-fused",
+    pytest.param("fp64-reference", marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=_FP64_DEFECT)),
+])
+def test_sync_bn_two_processes_equals_one_big_batch(precision, tmp_path):
+    """Two ranks with synchronized BN compute what one process computes on the concatenated batch.
+
+    What is compared: the ranks run on ``DEVICE`` (CUDA where there is one, else the CPU with
+    Triton's interpreter) in the case's dtype; the reference is one process, eager float64 on the
+    CPU, on all 7 images. Synchronized BN is exact arithmetic on (count, mean, var) and on the
+    statistics' gradients, so the only differences are rounding:
+
+    * ``fp64-reference``: the fused modules on the ``reference`` backend in float64 on both ranks.
+      Synchronization (all-gather of the statistics, the all-reduce of their gradients in backward,
+      the running-statistics update) must reproduce the single-process result to float64 accuracy
+      (``TOL[float64]`` = 1e-10): any error in the synchronization shows here, untouched by kernel
+      rounding.
+    * ``fp32-fused``: the fused kernels (``auto`` → triton; and a unit on ``reference``) in IEEE
+      fp32 against the float64 reference: ``TOL[float32]`` = 1e-4 relative (max-norm), the suite's
+      fp32 tolerance, which covers fp32 rounding of a 72-term (3×3×8) reduction and of the BN
+      statistics over 7·7·6 values (observed errors ~1e-6); running statistics 1e-5.
+
+    Why 8e-4 was seen on an H100: the ranks are processes started by ``mp.spawn``, which begin with
+    PyTorch's defaults, not with the test process's ``_ieee_fp32`` fixture; there
+    ``torch.backends.cudnn.allow_tf32`` is True, and the Triton fp32 kernels use TF32 dot products
+    exactly when it is (``fused_preact.ops._common.input_precision``). TF32 keeps 10 mantissa bits
+    (~5e-4 relative per product), so the fused ranks landed at 8e-4 of the float64 reference. The
+    workers now switch TF32 off themselves; on the CPU (interpreter) the kernels are always IEEE.
+    """
     steps = 2
     port = _free_port()
-    mp.spawn(_worker, args=(2, port, kind, str(tmp_path / "res"), steps), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, port, precision, str(tmp_path / "res"), steps), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"res.{r}") for r in range(2)]
-    _, eager = _build(kind)
-    eager.train()
-    for step, x in enumerate(_data(steps)):
-        xd = x.double().requires_grad_()
-        eager.zero_grad()
-        y = eager(xd)
-        g = torch.cos(torch.arange(y[0].numel(), dtype=y.dtype)).view_as(y[0])
-        (y * g).sum().backward()
-        r0, r1 = ranks[0][step], ranks[1][step]
-        assert "SyncBatchNorm" in r0["types"] and "BatchNorm2d" not in r0["types"]
-        assert any(t.startswith("Fused") for t in r0["types"]), "torch's converter must keep the fused modules"
-        fused_ok = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-        assert r0["backends"] == ("reference" if kind == "unit_reference" or not fused_ok else "triton")
-        assert rel_err(torch.cat([r0["y"], r1["y"]]), y) < 1e-4
-        assert rel_err(torch.cat([r0["dx"], r1["dx"]]), xd.grad) < 1e-4
-        for name, p in eager.named_parameters():
-            key = name
-            assert rel_err(r0["grads"][key], p.grad) < 1e-4, key
-            assert torch.equal(r0["grads"][key], r1["grads"][key])
-        for name, b in eager.state_dict().items():
-            key = name
-            if b.is_floating_point():
-                assert rel_err(r0["state"][key], b) < 1e-5, key
-                assert torch.equal(r0["state"][key], r1["state"][key]), key
-            else:
-                assert int(r0["state"][key]) == int(b) == step + 1, key
+    dtype, cases = PRECISIONS[precision]
+    tol, tol_stats = TOL[dtype], min(TOL[dtype], 1e-5)
+    fused_ok = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    for kind, backend in cases:
+        expected_backend = "triton" if backend == "auto" and fused_ok else "reference"
+        _, eager = _build(kind)
+        eager.train()
+        for step, x in enumerate(_data(steps)):
+            xd = x.double().requires_grad_()
+            eager.zero_grad()
+            y = eager(xd)
+            g = torch.cos(torch.arange(y[0].numel(), dtype=y.dtype)).view_as(y[0])
+            (y * g).sum().backward()
+            r0, r1 = ranks[0][kind, backend][step], ranks[1][kind, backend][step]
+            what = f"{kind} (backend {backend}), step {step}"
+            assert "SyncBatchNorm" in r0["types"] and "BatchNorm2d" not in r0["types"]
+            assert any(t.startswith("Fused") for t in r0["types"]), "torch's converter must keep the fused modules"
+            assert r0["backends"] == expected_backend, what
+            assert r0["dtype"] == dtype, what
+            assert rel_err(torch.cat([r0["y"], r1["y"]]), y) <= tol, f"{what}: output"
+            assert rel_err(torch.cat([r0["dx"], r1["dx"]]), xd.grad) <= tol, f"{what}: input grad"
+            for name, p in eager.named_parameters():
+                assert rel_err(r0["grads"][name], p.grad) <= tol, f"{what}: grad {name}"
+                assert torch.equal(r0["grads"][name], r1["grads"][name]), f"{what}: grad {name}"
+            for name, b in eager.state_dict().items():
+                if b.is_floating_point():
+                    assert rel_err(r0["state"][name], b) <= tol_stats, f"{what}: {name}"
+                    assert torch.equal(r0["state"][name], r1["state"][name]), f"{what}: {name}"
+                else:
+                    assert int(r0["state"][name]) == int(b) == step + 1, f"{what}: {name}"
 
 
 def test_sync_bn_without_process_group_is_plain_bn():

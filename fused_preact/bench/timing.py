@@ -20,7 +20,7 @@ import math
 import statistics
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -194,17 +194,38 @@ def _compile(module: nn.Module, provider: str) -> nn.Module:
     return torch.compile(module, dynamic=False, **({"mode": mode} if mode else {}))
 
 
-def cuda_backend_reason(x: torch.Tensor) -> Optional[str]:
-    """Why the fused ``cuda`` backend cannot serve ``x``, or None when it can: it must be listed in
-    ``fused_preact.dispatch.BACKENDS`` and ``select_backend("cuda", x)`` must accept ``x``."""
+def _conv_args(u: UnitShape) -> tuple:
+    """``(weight, stride, padding, dilation, groups)`` of unit ``u`` as the dispatcher takes them; the
+    weight lives on the meta device (only its shape is read)."""
+    weight = torch.empty(u.K, u.C // u.groups, u.R, u.S, device="meta")
+    return weight, u.stride, u.padding, u.dilation, u.groups
+
+
+def _first_bn_units(b: BlockShape) -> list[UnitShape]:
+    """The units of block ``b`` that read its first BN→ReLU: conv1 and the projection shortcut."""
+    return [u for u in b.units if u.name.rsplit("/", 1)[-1] in ("conv1", "shortcut")]
+
+
+def cuda_backend_reason(x: torch.Tensor, units: Sequence[UnitShape] = ()) -> Optional[str]:
+    """Why the fused ``cuda`` backend cannot serve ``x``, or None when it can.
+
+    The backend must be listed in ``fused_preact.dispatch.BACKENDS`` and ``select_backend("cuda", x,
+    convs)`` must accept ``x`` together with the convolutions of ``units`` (those that read
+    ``relu(bn(x))``), so that the device, dtype, alignment, groups and filter limits of the CUTLASS
+    kernels are all checked, whether or not ``fused_preact._C`` is built. Without ``units`` only what
+    the dispatcher checks from ``x`` alone is checked, plus the device: the backend serves CUDA tensors
+    only.
+    """
     from fused_preact.dispatch import BACKENDS, select_backend
 
     if "cuda" not in BACKENDS:
         return "backend 'cuda' is not registered in fused_preact.dispatch.BACKENDS (extension not built)"
     try:
-        select_backend("cuda", x)
+        select_backend("cuda", x, [_conv_args(u) for u in units] or None)
     except (RuntimeError, ValueError) as e:
         return str(e)
+    if x.device.type != "cuda":
+        return f"backend 'cuda' serves CUDA tensors only; the input is on {x.device}"
     return None
 
 
@@ -285,7 +306,7 @@ def unit_module(provider: str, u: UnitShape, dtype: torch.dtype) -> nn.Module:
     if provider not in LAYER_PROVIDERS:
         raise ValueError(f"unknown unit provider {provider!r}; expected one of {LAYER_PROVIDERS}")
     if provider == "cuda":
-        reason = cuda_backend_reason(_probe((u.N, u.C, u.H, u.W), dtype))
+        reason = cuda_backend_reason(_probe((u.N, u.C, u.H, u.W), dtype), [u])
         if reason:
             raise Skip(reason)
     torch.manual_seed(0)
@@ -311,7 +332,7 @@ def block_module(provider: str, b: BlockShape, dtype: torch.dtype) -> nn.Module:
     if provider not in LAYER_PROVIDERS:
         raise ValueError(f"unknown block provider {provider!r}; expected one of {LAYER_PROVIDERS}")
     if provider == "cuda":
-        reason = cuda_backend_reason(_probe((b.N, b.in_planes, b.H, b.W), dtype))
+        reason = cuda_backend_reason(_probe((b.N, b.in_planes, b.H, b.W), dtype), _first_bn_units(b))
         if reason:
             raise Skip(reason)
     torch.manual_seed(0)
@@ -424,7 +445,8 @@ class StepHarness:
             from fused_preact.bench.shapes import enumerate_blocks
 
             first = enumerate_blocks(spec.name, batch)[0]
-            reason = cuda_backend_reason(_probe((first.N, first.in_planes, first.H, first.W), dtype))
+            reason = cuda_backend_reason(_probe((first.N, first.in_planes, first.H, first.W), dtype),
+                                         _first_bn_units(first))
             if reason:
                 raise Skip(reason)
         torch.manual_seed(0)

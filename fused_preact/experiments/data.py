@@ -10,7 +10,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Dataset", "load_digits", "load_cifar10"]
+__all__ = ["CIFAR10_FILES", "CIFAR10_SOURCE", "Dataset", "cifar10_missing", "load_digits", "load_cifar10"]
+
+#: the files of the CIFAR-10 python-version folder (``cifar-10-batches-py``)
+CIFAR10_FILES = tuple(f"data_batch_{i}" for i in range(1, 6)) + ("test_batch",)
+#: where that folder comes from
+CIFAR10_SOURCE = ("the python version of CIFAR-10, https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz "
+                  "(extract it: tar xzf cifar-10-python.tar.gz gives cifar-10-batches-py/)")
 
 
 class Dataset(NamedTuple):
@@ -58,17 +64,25 @@ def load_digits(image_size: int = 32, test_size: int = 297) -> Dataset:
                    f"sklearn digits ({len(y) - test_size} train / {test_size} test, 8×8 → {image_size}×{image_size})")
 
 
+def cifar10_missing(data_dir: str) -> list[str]:
+    """The files of :data:`CIFAR10_FILES` that ``data_dir`` lacks (all of them when it is no folder)."""
+    return [name for name in CIFAR10_FILES if not os.path.isfile(os.path.join(data_dir, name))]
+
+
 def load_cifar10(data_dir: str) -> Dataset:
-    """CIFAR-10 from its python-pickle folder (``data_batch_1`` … ``data_batch_5``, ``test_batch``).
+    """CIFAR-10 from its python-pickle folder (``data_batch_1`` … ``data_batch_5``, ``test_batch``), as
+    extracted from :data:`CIFAR10_SOURCE`: 50000 train / 10000 test images, 3×32×32, 10 classes.
 
     Raises:
         FileNotFoundError: a batch file is missing from ``data_dir``.
     """
+    missing = cifar10_missing(data_dir)
+    if missing:
+        raise FileNotFoundError(f"CIFAR-10 batch {os.path.join(data_dir, missing[0])!r} not found (expected the "
+                                f"python-pickle folder: {CIFAR10_SOURCE})")
 
     def read(name: str) -> tuple[torch.Tensor, torch.Tensor]:
         path = os.path.join(data_dir, name)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"CIFAR-10 batch {path!r} not found (expected the python-pickle folder)")
         with open(path, "rb") as f:
             batch = pickle.load(f, encoding="bytes")
         x = torch.from_numpy(np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32).astype(np.float32) / 255.0)
