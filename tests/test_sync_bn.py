@@ -99,18 +99,9 @@ def _worker(rank: int, world: int, port: int, precision: str, out_path: str, ste
         dist.destroy_process_group()
 
 
-_FP64_DEFECT = (
-    "known defect in the op layer: in float64 the synchronized path computes in fp32 (modules.py, "
-    "fused_bn_relu_convs' sync + reference branch: x.float(), bn.weight.float(); ops/sync_stats.py, "
-    "_SyncStats.backward: d_mean.float(), d_invstd.float(), x.float()): outputs and gradients are off "
-    "by 2e-8 to 3e-8. "
-    "Computing in the statistics' dtype there passes at 1e-10; then remove this mark."
-)
-
-
 @pytest.mark.parametrize("precision", [
     "fp32-fused",
-    pytest.param("fp64-reference", marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=_FP64_DEFECT)),
+    "fp64-reference",
 ])
 def test_sync_bn_two_processes_equals_one_big_batch(precision, tmp_path):
     """Two ranks with synchronized BN compute what one process computes on the concatenated batch.

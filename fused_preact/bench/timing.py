@@ -194,11 +194,12 @@ def _compile(module: nn.Module, provider: str) -> nn.Module:
     return torch.compile(module, dynamic=False, **({"mode": mode} if mode else {}))
 
 
-def _conv_args(u: UnitShape) -> tuple:
-    """``(weight, stride, padding, dilation, groups)`` of unit ``u`` as the dispatcher takes them; the
-    weight lives on the meta device (only its shape is read)."""
-    weight = torch.empty(u.K, u.C // u.groups, u.R, u.S, device="meta")
-    return weight, u.stride, u.padding, u.dilation, u.groups
+def _unit_spec(u: UnitShape):
+    """Unit ``u`` as a one-conv chain (:class:`fused_preact.ops.ChainSpec`), as the dispatcher takes it."""
+    from fused_preact.ops import ChainSpec, ConvGeom
+
+    return ChainSpec((ConvGeom(u.C, u.K, (u.R, u.S), tuple(u.stride), tuple(u.padding), tuple(u.dilation),
+                               u.groups),))
 
 
 def _first_bn_units(b: BlockShape) -> list[UnitShape]:
@@ -210,7 +211,7 @@ def cuda_backend_reason(x: torch.Tensor, units: Sequence[UnitShape] = ()) -> Opt
     """Why the fused ``cuda`` backend cannot serve ``x``, or None when it can.
 
     The backend must be listed in ``fused_preact.dispatch.BACKENDS`` and ``select_backend("cuda", x,
-    convs)`` must accept ``x`` together with the convolutions of ``units`` (those that read
+    spec)`` must accept ``x`` together with each convolution of ``units`` (those that read
     ``relu(bn(x))``), so that the device, dtype, alignment, groups and filter limits of the CUTLASS
     kernels are all checked, whether or not ``fused_preact._C`` is built. Without ``units`` only what
     the dispatcher checks from ``x`` alone is checked, plus the device: the backend serves CUDA tensors
@@ -221,7 +222,8 @@ def cuda_backend_reason(x: torch.Tensor, units: Sequence[UnitShape] = ()) -> Opt
     if "cuda" not in BACKENDS:
         return "backend 'cuda' is not registered in fused_preact.dispatch.BACKENDS (extension not built)"
     try:
-        select_backend("cuda", x, [_conv_args(u) for u in units] or None)
+        for spec in [_unit_spec(u) for u in units] or [None]:
+            select_backend("cuda", x, spec)
     except (RuntimeError, ValueError) as e:
         return str(e)
     if x.device.type != "cuda":

@@ -146,11 +146,11 @@ class CudaBackend(_FusedBackend):
     @classmethod
     def not_supported_reasons(cls, x, spec=None, dtype=None):
         reasons = super().not_supported_reasons(x, spec, dtype)
-        if not _cuda.available():
+        missing = not _cuda.available()
+        if missing:
             reasons.append(f"cuda: the fused_preact._C extension is not available ({_cuda.load_error()}); build it "
                            "with `pip install --no-build-isolation -e .` (CUDA torch, nvcc, nvidia-cutlass) or "
                            "fused_preact.ops._cuda.jit_load()")
-            return reasons
         if spec is not None and x.dim() == 4:
             # The extension's own checks, on stride-0 stand-ins of each conv's input in the compute dtype.
             shapes = chain_shapes(spec, x.shape)
@@ -159,7 +159,8 @@ class CudaBackend(_FusedBackend):
                 stand_in = torch.empty(1, device=x.device, dtype=dtype or x.dtype).expand(shape)
                 w = torch.empty((g.out_channels, g.in_channels // g.groups, *g.kernel), device="meta")
                 reasons.extend(r for r in _cuda.not_supported_reasons(stand_in, w, g.stride, g.padding, g.dilation,
-                                                                      g.groups) if r not in reasons)
+                                                                      g.groups)
+                               if r not in reasons and not (missing and "extension is not available" in r))
         return reasons
 
     @classmethod

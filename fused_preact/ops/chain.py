@@ -41,9 +41,10 @@ class ChainResult(NamedTuple):
 def _preact_reference(x: torch.Tensor, t: ChainTensors, i: int, mode: BNMode) -> torch.Tensor:
     if mode.kind == EXTERNAL:
         shape = (1, -1, 1, 1)
-        a = (x.float() - t.ext_mean.view(shape)) * t.ext_invstd.view(shape)
+        acc = t.ext_mean.dtype  # fp32 statistics, fp64 for a float64 model
+        a = (x.to(acc) - t.ext_mean.view(shape)) * t.ext_invstd.view(shape)
         if t.gammas[i] is not None:
-            a = a * t.gammas[i].float().view(shape) + t.betas[i].float().view(shape)
+            a = a * t.gammas[i].to(acc).view(shape) + t.betas[i].to(acc).view(shape)
         return F.relu(a).to(x.dtype)
     if mode.update and t.num_batches[i] is not None:
         t.num_batches[i].add_(1)

@@ -78,15 +78,15 @@ class _SyncStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_mean, d_invstd, _d_var, _d_total):
         x, mean, invstd, total = ctx.saved_tensors
-        d_mean = torch.zeros_like(mean) if d_mean is None else d_mean.float()
-        d_invstd = torch.zeros_like(invstd) if d_invstd is None else d_invstd.float()
+        d_mean = torch.zeros_like(mean) if d_mean is None else d_mean.to(mean.dtype)
+        d_invstd = torch.zeros_like(invstd) if d_invstd is None else d_invstd.to(invstd.dtype)
         both = torch.cat([d_mean, d_invstd])
         dist.all_reduce(both, op=dist.ReduceOp.SUM, group=ctx.group)
         C = mean.numel()
         a = both[:C] / total
         b = -both[C:] * invstd.pow(3) / total
         shape = (1, C, 1, 1)
-        dx = (x.float() - mean.view(shape)) * b.view(shape) + a.view(shape)
+        dx = (x.to(mean.dtype) - mean.view(shape)) * b.view(shape) + a.view(shape)
         return dx.to(x.dtype), None, None, None
 
 
