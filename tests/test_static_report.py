@@ -108,6 +108,7 @@ def test_check_passes_clean_jobs_and_specialization(tmp_path):
     assert e["ldg_by_width"]["128"] > 0  # aligned, %16 sizes: 16-byte vector loads
     gemm = _by(obj, "gemm")
     assert gemm["sm_90"]["mma_by_op"].get("HGMMA", 0) > 0 and gemm["sm_80"]["mma_by_op"].get("HMMA", 0) > 0
+    assert gemm["sm_90"]["hgmma_a_regs"] == 0  # both operands straight from shared memory
 
 
 _CU = textwrap.dedent("""
@@ -187,6 +188,8 @@ def test_sass_line_pattern():
              "        /*07f0*/              @!UP0 LDG.E.U16 R3, desc[UR4][R2.64] ;",
              "        /*0044*/ \t.dword\t_fprop_kernel"]
     assert ST._SASS_INSN.findall("\n".join(lines)) == ["HGMMA.64x64x16.F32.BF16", "VIADD", "LDG.E.U16"]
+    assert len(ST._HGMMA_REG_A.findall(lines[0])) == 1
+    assert not ST._HGMMA_REG_A.findall("/*0100*/ HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24, gsb0 ;")
 
 
 def test_short_name():

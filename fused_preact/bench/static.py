@@ -11,7 +11,8 @@ kernel and config (units in brackets; sources: ``cuobjdump -res-usage``, SASS fr
     shared_bytes  shared memory per block [bytes]: Triton's dynamic request (``metadata.shared``)
                   plus the static SHARED of the cubin (for CUDA C++ cubins: static only)
     mma           tensor-core instructions: HGMMA (wgmma) on sm_90, HMMA (mma.sync) on sm_80;
-                  ``mma_by_op`` counts every tensor-core opcode found
+                  ``mma_by_op`` counts every tensor-core opcode found; ``hgmma_a_regs``: HGMMAs
+                  whose A operand comes from registers (wgmma RS form), not shared memory
     async_copies  {LDGSTS: cp.async global→shared, UTMALDG: TMA tensor loads}
     ldg_by_width  global loads by width [bits], from the LDG suffix: ``.128`` 128, ``.64`` 64, none 32
                   (``LDG.E``), ``.U16``/``.S16`` 16, ``.U8``/``.S8`` 8; likewise ``ldgsts_by_width``
@@ -78,7 +79,7 @@ __all__ = ["TensorSpec", "StaticJob", "specialize", "cubin_metrics", "sass_metri
            "default_provider", "check_entries", "format_table", "main"]
 
 #: Bumped when the metrics read from a cubin change (invalidates the metrics cache).
-PARSER_VERSION = 1
+PARSER_VERSION = 2
 #: Archs reported by default (compute capability × 10).
 ARCHS: tuple[int, ...] = (90, 80)
 #: Max shared memory per block [bytes]: CUDA C Programming Guide, "Technical Specifications per
@@ -211,6 +212,9 @@ def _describe_spec(spec: _Spec, arg_names: Sequence[str]) -> tuple[dict, dict]:
 
 # --------------------------------------------------------------------------------- SASS parsing
 _SASS_INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)")
+#: HGMMA whose A operand is a register (``HGMMA.64x64x16.F32.BF16 R56, R132, gdesc[UR20]…``), not a
+#: shared-memory descriptor (``HGMMA… R24, gdesc[UR4], R24``).
+_HGMMA_REG_A = re.compile(r"HGMMA\.[\w.]+\s+R\d+,\s*R\d+")
 _RES = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 _FUNC = re.compile(r"^\s*\.section\s+\.text\.([^,\s]+)", re.M)
 _TARGET = re.compile(r"\.target\s+(sm_\w+)")
@@ -272,7 +276,8 @@ def cubin_metrics(path: str, sass_out: Optional[Path] = None) -> dict[str, dict]
     out: dict[str, dict] = {}
     for i, h in enumerate(heads):
         body = sass[h.end(): heads[i + 1].start() if i + 1 < len(heads) else len(sass)]
-        out[h.group(1)] = {"target": target, "arch": arch, **sass_metrics(_SASS_INSN.findall(body), arch)}
+        out[h.group(1)] = {"target": target, "arch": arch, **sass_metrics(_SASS_INSN.findall(body), arch),
+                           "hgmma_a_regs": len(_HGMMA_REG_A.findall(body))}
     for name, reg, stack, shared, local in _RES.findall(_tool("cuobjdump", "-res-usage", path)):
         out.setdefault(name, {"target": target, "arch": arch, **sass_metrics((), arch)})
         out[name].update(regs=int(reg), stack_bytes=int(stack), shared_bytes=int(shared), local_bytes=int(local))
