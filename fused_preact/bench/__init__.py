@@ -1,9 +1,13 @@
-"""Benchmarks of the fused kernels against eager PyTorch, ``torch.compile`` and cuDNN (needs CUDA to time).
+"""Benchmarks of the fused kernels against eager PyTorch, ``torch.compile`` and cuDNN (needs CUDA to time),
+and the static kernel report (no GPU).
 
 Modules:
     run      ``python -m fused_preact.bench``: the runner, results files, tables and charts
     timing   timing harnesses (CUDA events, CUDA graphs, peak memory, measured roofline peaks)
     shapes   the unit/block/model shapes of PreActResNet-50/-164 and the FLOP/byte cost model
+    static   ``python -m fused_preact.bench --static``: the kernels compiled offline for sm_90/sm_80,
+             registers, spills, tensor-core and vector instructions from their SASS (no GPU)
+    static_legacy  the static report's job list for the kernels of commit 2332dd9
 
 Nothing here is imported by the library itself.
 """

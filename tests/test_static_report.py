@@ -1,0 +1,232 @@
+"""The static kernel report (fused_preact.bench.static) on CPU.
+
+The report compiles Triton kernels for sm_90/sm_80 offline, which needs TRITON_INTERPRET unset before
+``triton`` is imported, while this suite runs with it set (conftest.py); so every compiling test runs
+the CLI in a subprocess with the variable removed. Job sets are tiny (a few compilations each, both
+processes of a 2-core runner). Pure helpers (SASS counting, names, the check rule, the table) are
+tested in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fused_preact.bench import static as ST
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+
+def _triton_tools() -> bool:
+    try:
+        import triton
+    except ImportError:
+        return False
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm").exists()
+
+
+needs_tools = pytest.mark.skipif(not _triton_tools(), reason="triton's NVIDIA backend tools are not installed")
+
+
+def _static(tmp_path: Path, *args: str, module: str = "fused_preact.bench.static") -> tuple[subprocess.CompletedProcess, dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS)] + [p for p in [env.get("PYTHONPATH")] if p])
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", module, *args, "--out", str(out), "--cache-dir", str(tmp_path / "cache")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    files = sorted(out.glob("static-*.json"))
+    return proc, (json.loads(files[-1].read_text()) if files else {})
+
+
+def _by(obj: dict, kernel: str) -> dict[str, dict]:
+    return {e["arch"]: e for e in obj["entries"] if e["kernel"] == kernel}
+
+
+# --------------------------------------------------------------------------- compiled (subprocess)
+@needs_tools
+def test_report_on_one_layer_and_cache(tmp_path):
+    """The op's own jobs for one CIFAR unit (bf16, fprop and the elementwise dx), through
+    ``python -m fused_preact.bench --static``: sane fields, tensor cores in the conv kernel on both
+    archs; a second run takes every compilation from the metrics cache."""
+    args = ["--static", "--models", "preact_resnet164", "--layers", "layer1.1/conv2", "--dtypes", "bf16",
+            "--kernels", "fprop", "dx"]
+    proc, obj = _static(tmp_path, *args, module="fused_preact.bench")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert obj["triton"] and obj["date"] and "--layers" in obj["command"] and obj["compiled"] == obj["compilations"]
+    conv = [e for e in obj["entries"] if e["conv"]]
+    other = [e for e in obj["entries"] if not e["conv"]]
+    assert conv and other and {e["arch"] for e in conv} == {"sm_90", "sm_80"}
+    for e in obj["entries"]:
+        assert e["kind"] == "triton" and e["dtype"] == "bf16" and e["config"] and "error" not in e
+        assert e["regs"] > 0 and e["stack_bytes"] >= 0 and e["shared_bytes"] >= 0 and e["instructions"] > 0
+        assert set(e["ldg_by_width"]) >= {"128", "64", "32", "16", "8"} and set(e["async_copies"]) == {"LDGSTS", "UTMALDG"}
+        assert e["shapes"] and all("preact_resnet164/" in s for s in e["shapes"])
+    for e in conv:
+        assert e["mma"] > 0 and e["mma_by_op"].get("HGMMA" if e["arch"] == "sm_90" else "HMMA") == e["mma"]
+        assert e["signature"]["x_ptr"] == "*bf16%16"  # aligned tensors carry the divisibility attribute
+    assert "fprop" in proc.stdout and "regs" in proc.stdout  # the table
+
+    again, obj2 = _static(tmp_path, *args, module="fused_preact.bench")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert obj2["compiled"] == 0 and obj2["cached"] == obj["compilations"]
+    strip = lambda o: [{k: v for k, v in e.items() if k != "compile_s"} for e in o["entries"]]
+    assert strip(obj2) == strip(obj)
+
+
+@needs_tools
+def test_check_fails_on_spills_and_missing_mma(tmp_path):
+    proc, obj = _static(tmp_path, "--provider", "static_fixtures:bad_jobs", "--arch", "90", "--check")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    spill = _by(obj, "spill")["sm_90"]
+    assert spill["stack_bytes"] > 0 and spill["spill_stores"] > 0 and spill["spill_loads"] > 0
+    assert "spill [4096 w1]" in proc.stdout and "bytes of stack" in proc.stdout
+    assert "scale [1024 w4]" in proc.stdout and "no HGMMA" in proc.stdout
+
+
+@needs_tools
+def test_check_passes_clean_jobs_and_specialization(tmp_path):
+    """Clean kernels pass ``--check``; the recorded signature follows Triton's launch rules: 1 →
+    constexpr, %16 ints and aligned pointers get the divisibility attribute, bool → u1, float →
+    fp32, None → constexpr; the unaligned pointer does not."""
+    proc, obj = _static(tmp_path, "--provider", "static_fixtures:clean_jobs", "--check")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    scale = _by(obj, "scale")
+    assert scale.keys() == {"sm_90", "sm_80"}
+    e = scale["sm_90"]
+    assert e["signature"] == {"x_ptr": "*fp32%16", "y_ptr": "*fp32%16", "off_ptr": "*fp32", "n16": "i32%16",
+                              "n17": "i32", "flag": "u1", "alpha": "fp32"}
+    assert e["constexprs"] == {"n_one": "1", "unused": "None", "BLOCK": "1024"}
+    assert e["ldg_by_width"]["128"] > 0  # aligned, %16 sizes: 16-byte vector loads
+    gemm = _by(obj, "gemm")
+    assert gemm["sm_90"]["mma_by_op"].get("HGMMA", 0) > 0 and gemm["sm_80"]["mma_by_op"].get("HMMA", 0) > 0
+    assert gemm["sm_90"]["hgmma_a_regs"] == 0  # both operands straight from shared memory
+
+
+_CU = textwrap.dedent("""
+    #include <mma.h>
+    #include <cuda_fp16.h>
+    namespace demo {
+    template <int N, typename T>
+    __global__ void scale_kernel(const T* __restrict__ x, T* y, float s, int n) {
+      int i = blockIdx.x * blockDim.x + threadIdx.x;
+      if (i < n) y[i] = T(float(x[i]) * s);
+    }
+    template __global__ void scale_kernel<8, __half>(const __half*, __half*, float, int);
+    }
+    __global__ void wmma_kernel(const half* a, const half* b, float* c) {
+      using namespace nvcuda;
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, half, wmma::row_major> fa;
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, half, wmma::col_major> fb;
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> fc;
+      wmma::fill_fragment(fc, 0.0f);
+      wmma::load_matrix_sync(fa, a, 16);
+      wmma::load_matrix_sync(fb, b, 16);
+      wmma::mma_sync(fc, fa, fb, fc);
+      wmma::store_matrix_sync(c, fc, 16, wmma::mem_row_major);
+    }
+    extern "C" __global__ void local_kernel(const float* x, float* y, int n) {
+      float buf[512];
+      for (int i = 0; i < 512; ++i) buf[i] = x[(i * n) % 4096];
+      float acc = 0;
+      for (int i = 0; i < 512; ++i) acc += buf[(i * 7 + n) % 512];
+      y[threadIdx.x] = acc;
+    }
+""")
+
+
+@needs_tools
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_cubins_from_nvcc(tmp_path):
+    src = tmp_path / "k.cu"
+    src.write_text(_CU)
+    cubins = tmp_path / "cubins"
+    cubins.mkdir()
+    for arch in ("sm_80", "sm_90a"):
+        subprocess.run(["nvcc", "-cubin", f"-arch={arch}", "-o", str(cubins / f"k_{arch}.cubin"), str(src)],
+                       check=True, capture_output=True, timeout=240)
+    proc, obj = _static(tmp_path, "--no-triton", "--cubins", str(cubins), "--check")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # local_kernel's stack
+    es = [e for e in obj["entries"] if e["kind"] == "csrc"]
+    assert {(e["kernel"], e["arch"]) for e in es} == {(k, a) for k in ("scale_kernel<8, __half>", "wmma_kernel", "local_kernel")
+                                                     for a in ("sm_80", "sm_90")}
+    by = {(e["kernel"], e["arch"]): e for e in es}
+    for e in es:
+        assert e["regs"] > 0 and e["config"] in ("k_sm_80.cubin", "k_sm_90a.cubin")
+    assert by[("scale_kernel<8, __half>", "sm_80")]["ldg_by_width"]["16"] == 1  # LDG.E.U16: one half
+    assert by[("wmma_kernel", "sm_80")]["mma"] > 0 and by[("wmma_kernel", "sm_90")]["mma_by_op"]["HMMA"] > 0
+    assert by[("wmma_kernel", "sm_90")]["target"] == "sm_90a"
+    assert by[("local_kernel", "sm_90")]["stack_bytes"] >= 2048
+    assert "local_kernel" in proc.stdout.split("--check")[-1] and "wmma_kernel" not in proc.stdout.split("--check")[-1]
+
+
+# ------------------------------------------------------------------------------------- in-process
+def test_sass_metrics_opcodes():
+    ops = ["LDG.E.128", "LDG.E.128.CONSTANT", "LDG.E.64", "LDG.E", "LDG.E.LTC128B", "LDG.E.U16", "LDG.E.S8",
+           "LDGSTS.E.BYPASS.128", "LDGSTS.E", "UTMALDG.2D", "HGMMA.64x64x16.F32.BF16", "HMMA.16816.F32.BF16",
+           "STL", "STL.128", "LDL.LU", "STG.E.U16", "FFMA"]
+    m90, m80 = ST.sass_metrics(ops, 90), ST.sass_metrics(ops, 80)
+    assert m90["ldg_by_width"] == {"128": 2, "64": 1, "32": 2, "16": 1, "8": 1}
+    assert m90["ldgsts_by_width"]["128"] == 1 and m90["ldgsts_by_width"]["32"] == 1
+    assert m90["async_copies"] == {"LDGSTS": 2, "UTMALDG": 1}
+    assert (m90["mma"], m80["mma"]) == (1, 1) and m90["mma_by_op"] == {"HGMMA": 1, "HMMA": 1}
+    assert (m90["spill_stores"], m90["spill_loads"], m90["stg_by_width"]["16"]) == (2, 1, 1)
+    assert m90["instructions"] == len(ops)
+
+
+def test_sass_line_pattern():
+    lines = ["        /*5d00*/                   HGMMA.64x64x16.F32.BF16 R56, R132, gdesc[UR20].tnspB, R56 ;",
+             "        /*07e0*/               @P2 VIADD R8, R8, 0x1 ;",
+             "        /*07f0*/              @!UP0 LDG.E.U16 R3, desc[UR4][R2.64] ;",
+             "        /*0044*/ \t.dword\t_fprop_kernel"]
+    assert ST._SASS_INSN.findall("\n".join(lines)) == ["HGMMA.64x64x16.F32.BF16", "VIADD", "LDG.E.U16"]
+    assert len(ST._HGMMA_REG_A.findall(lines[0])) == 1
+    assert not ST._HGMMA_REG_A.findall("/*0100*/ HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24, gsb0 ;")
+
+
+def test_short_name():
+    assert ST.short_name("void demo::scale_kernel<8, __half>(__half const*, __half*, float, int)") == "scale_kernel<8, __half>"
+    assert ST.short_name("spill_kernel") == "spill_kernel"
+    long = ("void cutlass::Kernel2<cutlass::conv::kernel::ImplicitGemmConvolution<cutlass::conv::threadblock::Mma<A<1>, B>, "
+            "cutlass::epilogue::E<2> > >(cutlass::conv::kernel::ImplicitGemmConvolution<X>::Params)")
+    assert ST.short_name(long) == "Kernel2<ImplicitGemmConvolution<…> >"
+    assert ST.short_name("void (anonymous namespace)::bn_fwd<float, 4>(float*)") == "bn_fwd<float, 4>"
+    assert len(ST.short_name("k<" + ", ".join(["int"] * 100) + ">")) == 90
+
+
+def _entry(**kw) -> dict:
+    e = {"kind": "triton", "kernel": "fprop", "config": "128x64x64 w4 s3", "variant": "3x3", "dtype": "bf16",
+         "arch": "sm_90", "conv": True, "regs": 128, "stack_bytes": 0, "shared_bytes": 1024, "mma": 8,
+         "mma_by_op": {"HGMMA": 8}, "async_copies": {"LDGSTS": 6, "UTMALDG": 0},
+         "ldg_by_width": {"128": 4, "64": 0, "32": 0, "16": 96, "8": 0}, "ldgsts_by_width": {"128": 6},
+         "spill_stores": 0, "spill_loads": 0, "shapes": ["m/layer1.0/conv2"], "key": "k"}
+    e.update(kw)
+    return e
+
+
+def test_check_rules_and_table():
+    ok = _entry()
+    assert ST.check_entries([ok, _entry(conv=False, mma=0, mma_by_op={})]) == []
+    bad = ST.check_entries([_entry(stack_bytes=16, spill_stores=3, spill_loads=2), _entry(mma=0, mma_by_op={"HMMA": 4}),
+                            _entry(arch="sm_80", shared_bytes=200 * 1024), _entry(error="CompilationError: x")])
+    assert len(bad) == 4
+    assert "16 bytes of stack (STL 3, LDL 2)" in bad[0] and "m/layer1.0/conv2" in bad[0]
+    assert "no HGMMA" in bad[1] and "HMMA" in bad[1]
+    assert "shared memory" in bad[2] and "compile failed" in bad[3]
+    table = ST.format_table([ok, _entry(regs=200, key="k2")])
+    row = table.splitlines()[2].split()
+    assert row[:6] == ["fprop", "128x64x64", "w4", "s3", "bf16", "sm_90"] and "128-200" in row and "16:96" in table
+
+
+def test_static_refuses_under_interpreter(monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert ST.main(["--no-triton"]) == 2
+    assert "TRITON_INTERPRET" in capsys.readouterr().err
