@@ -7,7 +7,7 @@ Modules:
     shapes   the unit/block/model shapes of PreActResNet-50/-164 and the FLOP/byte cost model
     static   ``python -m fused_preact.bench --static``: the kernels compiled offline for sm_90/sm_80,
              registers, spills, tensor-core and vector instructions from their SASS (no GPU)
-    static_legacy  the static report's job list for the kernels of commit 2332dd9
+    static_chain   the static report's jobs: every launch the fused chains record (meta device)
 
 Nothing here is imported by the library itself.
 """

@@ -39,9 +39,8 @@ Launch kwargs other than constexprs (``num_warps``, ``num_stages``, ``maxnreg``,
 ``CUDAOptions`` through ``CUDABackend.parse_options``; Triton compiles sm_90 as ``sm_90a``.
 
 A *job provider* maps ``(units: list[UnitShape], dtypes: list[torch.dtype])`` to StaticJobs. The
-report uses ``fused_preact.ops.static_jobs`` when the op layer has one, else
-:func:`fused_preact.bench.static_legacy.legacy_jobs` (today's kernels and launchers), or
-``--provider module:function``. Identical compilations (same Triton cache key: function source,
+report uses :func:`fused_preact.bench.static_chain.chain_jobs` (the launches the fused chains record
+on the meta device), or ``--provider module:function``. Identical compilations (same Triton cache key: function source,
 signature, attributes, constexprs, options, target) are compiled once, by at most two processes;
 their metrics are cached under ``--cache-dir`` by that key, so a second run compiles nothing.
 
@@ -491,15 +490,11 @@ def triton_entries(jobs: Sequence[StaticJob], archs: Sequence[int], processes: i
 
 # ------------------------------------------------------------------------------ providers, check
 def default_provider() -> tuple[Callable, str]:
-    """The op layer's ``fused_preact.ops.static_jobs`` if it has one, else today's kernels'
-    :func:`fused_preact.bench.static_legacy.legacy_jobs`; with its dotted name."""
-    import fused_preact.ops as ops
+    """:func:`fused_preact.bench.static_chain.chain_jobs` (every launch of the fused chains), with its
+    dotted name."""
+    from fused_preact.bench.static_chain import chain_jobs
 
-    if hasattr(ops, "static_jobs"):
-        return ops.static_jobs, "fused_preact.ops.static_jobs"
-    from fused_preact.bench.static_legacy import legacy_jobs
-
-    return legacy_jobs, "fused_preact.bench.static_legacy.legacy_jobs"
+    return chain_jobs, "fused_preact.bench.static_chain.chain_jobs"
 
 
 def _load_provider(spec: str) -> Callable:
@@ -596,8 +591,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", nargs="+", help="only units one of whose layer names contains one of these strings")
     p.add_argument("--dtypes", nargs="+", choices=["bf16", "fp16", "fp32"], default=["bf16", "fp16", "fp32"])
     p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--provider", help="job provider module:function (default: fused_preact.ops.static_jobs if "
-                                      "present, else fused_preact.bench.static_legacy:legacy_jobs)")
+    p.add_argument("--provider", help="job provider module:function (default: "
+                                      "fused_preact.bench.static_chain:chain_jobs)")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton kernels (with --cubins)")
     p.add_argument("--cubins", metavar="DIR", help="also report every *.cubin in DIR (CUDA C++ builds)")
     p.add_argument("--check", action="store_true", help="exit 1 if any entry spills, lacks tensor-core "

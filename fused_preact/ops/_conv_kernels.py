@@ -375,44 +375,34 @@ def _wgrad_kernel(
     x_ptr, sxn, sxh, sxw, sxc,
     pack_ptr,
     dw_ptr, swk, swc, swr, sws,
-    dy2_ptr, sd2n, sd2h, sd2w, sd2c,
-    dw2_ptr, sw2k, sw2c, sw2r, sw2s,
     psum_ptr, num_parts, gbeta_ptr, ggamma_ptr, coef_ptr, inv_count,
-    M, CHUNK, NUM_WGRAD, M2, CHUNK2, NUM_WGRAD2,
+    M, CHUNK, NUM_WGRAD,
     H, W, C, P, Q, K,
     GROUPS, R: tl.constexpr, S: tl.constexpr,
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
     DIL_H: tl.constexpr, DIL_W: tl.constexpr, SPLIT: tl.constexpr,
-    P2, Q2, K2, STRIDE2: tl.constexpr, SPLIT2: tl.constexpr, HAS_JOB2: tl.constexpr,
     SUM_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_P: tl.constexpr,
 ):
-    """Three roles in one launch (1-D grid), each needing only what the dgrad launch before it wrote.
+    """Two roles in one launch (1-D grid), each needing only what the dgrad launch before it wrote.
 
     Programs ``[0, NUM_WGRAD)``: :func:`_wgrad_tile` of the conv (x, dy, its geometry).
-    Programs ``[NUM_WGRAD, NUM_WGRAD + NUM_WGRAD2)`` (HAS_JOB2): :func:`_wgrad_tile` of a 1×1, stride-STRIDE2
-    projection shortcut reading the same pre-activation (``dy2`` (N, P2, Q2, K2), ``dw2`` (K2, C)).
     The remaining programs fold the dgrad tiles' partial Σdz, Σdz·x̂ (``num_parts`` rows of ``psum``,
     in order: deterministic) for BLOCK_C channels each. SUM_MODE 1 (batch statistics): dβ = Σdz and
     dγ = Σdz·x̂ (in their pointers' dtypes, with HAS_GAMMA) and the dx coefficients
     ``coef = (Σdz, Σdz·x̂)·inv_count``. SUM_MODE 2 (statistics given from outside, e.g. synchronized
     BN): dβ, dγ and the gradients of the statistics in ``coef``: ∂L/∂mean = −scale·Σdz,
-    ∂L/∂invstd = γ·Σdz·x̂/invstd. SUM_MODE 0: no sums.
+    ∂L/∂invstd = γ·Σdz·x̂/invstd. SUM_MODE 0: no sums (a projection shortcut's own wgrad launch).
     """
     pid = tl.program_id(0)
     if pid < NUM_WGRAD:
         _wgrad_tile(dy_ptr, sdn, sdh, sdw, sdc, x_ptr, sxn, sxh, sxw, sxc, pack_ptr, dw_ptr, swk, swc, swr, sws,
                     pid, M, CHUNK, H, W, C, P, Q, K, GROUPS, R, S, STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W,
                     SPLIT, DOT_DTYPE, INPUT_PRECISION, IDX64, BLOCK_M, BLOCK_N, BLOCK_R)
-    elif HAS_JOB2 and pid < NUM_WGRAD + NUM_WGRAD2:
-        _wgrad_tile(dy2_ptr, sd2n, sd2h, sd2w, sd2c, x_ptr, sxn, sxh, sxw, sxc, pack_ptr,
-                    dw2_ptr, sw2k, sw2c, sw2r, sw2s,
-                    pid - NUM_WGRAD, M2, CHUNK2, H, W, C, P2, Q2, K2, 1, 1, 1, STRIDE2, STRIDE2, 0, 0, 1, 1,
-                    SPLIT2, DOT_DTYPE, INPUT_PRECISION, IDX64, BLOCK_M2, BLOCK_N2, BLOCK_R)
     elif SUM_MODE != 0:
-        cols = (pid - NUM_WGRAD - NUM_WGRAD2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cols = (pid - NUM_WGRAD) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C
         s_dz = tl.zeros([BLOCK_C], dtype=tl.float32)
         s_dzx = tl.zeros([BLOCK_C], dtype=tl.float32)

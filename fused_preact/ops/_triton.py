@@ -56,9 +56,11 @@ class GemmConfig:
 
 
 def _gpu_gemm(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
+    if dtype == torch.float32:  # fp32 operands (TF32 MMA) need twice the registers: 64×64 tiles
+        return GemmConfig(64, _p2(n, 16, 64), _p2(k, 16, 32), 4, 4)
     block_m = 128 if m >= 8 * 128 else 64
     block_n = _p2(n, 16, 128)
-    block_k = _p2(k, 16, 32 if dtype == torch.float32 else 64)
+    block_k = _p2(k, 16, 64)
     warps = 8 if block_m * block_n >= 128 * 128 else 4
     return GemmConfig(block_m, block_n, block_k, warps, 3)
 
@@ -76,7 +78,8 @@ def dgrad_config(M: int, Cg: int, Kg: int, dtype: torch.dtype) -> GemmConfig:
     255-register limit (they spill on sm_80 in bf16 and on sm_90 in fp32; see the static report)."""
     if interpreting():
         return GemmConfig(_p2(M, 16, _INTERP_SUM_ROWS), _p2(Cg, 16, 256), _p2(Kg, 16, 256))
-    return GemmConfig(64, _p2(Cg, 16, 128), _p2(Kg, 16, 32 if dtype == torch.float32 else 64), 4, 3)
+    return GemmConfig(64, _p2(Cg, 16, 64 if dtype == torch.float32 else 128), _p2(Kg, 16, 32 if dtype == torch.float32
+                                                                                 else 64), 4, 3)
 
 
 def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype) -> GemmConfig:
@@ -84,7 +87,8 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype) -> GemmConfig:
     the reduction (N·P·Q rows)."""
     if interpreting():
         return GemmConfig(_p2(Kg, 16, 256), _p2(Cg, 16, 256), _p2(M, 16, 4096))
-    block_m, block_n = _p2(Kg, 16, 128), _p2(Cg, 16, 128)
+    wide = 64 if dtype == torch.float32 else 128
+    block_m, block_n = _p2(Kg, 64, wide), _p2(Cg, 16, wide)  # ≥ 64 rows: wgmma's minimum M on sm_90
     block_k = 32 if dtype == torch.float32 else 64
     return GemmConfig(block_m, block_n, block_k, 8 if block_m * block_n >= 128 * 128 else 4, 3)
 
@@ -124,19 +128,24 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype) -> list[Ge
     the problem (powers of two ≥ 16), duplicates removed. Every entry is compiled by the static report,
     which fails CI if one spills."""
     half = 2 if dtype == torch.float32 else 1
-    space = _WGRAD_SPACE if kind == "wgrad" else _GEMM_SPACE
+    space = {"fprop": _FPROP_SPACE, "dgrad": _DGRAD_SPACE, "wgrad": _WGRAD_SPACE}[kind]
     out: list[GemmConfig] = []
     for bm, bn, bk, warps, stages in space:
-        cfg = GemmConfig(min(bm, _p2(m, 16, bm)), min(bn, _p2(n, 16, bn)), min(bk // half, _p2(k, 16, bk // half)),
+        if half == 2 and (bm > 64 or bn > 64):  # fp32 operands: 64×64 tiles at most (static report)
+            continue
+        cfg = GemmConfig(min(bm, _p2(m, 64, bm)), min(bn, _p2(n, 16, bn)), min(bk // half, _p2(k, 16, bk // half)),
                          warps, stages)
         if cfg not in out:
             out.append(cfg)
     return out
 
 
-#: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of fprop and dgrad; BLOCK_K halves for fp32 operands.
-_GEMM_SPACE = ((128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
-               (128, 64, 32, 4, 4), (64, 64, 64, 4, 4), (64, 64, 32, 4, 5))
+#: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of fprop; BLOCK_K halves for fp32 operands. Pruned by the
+#: static report (no spills on sm_90 or sm_80, in every epilogue variant).
+_FPROP_SPACE = ((128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 4, 4), (128, 64, 32, 4, 4),
+                (64, 64, 64, 4, 4), (64, 64, 32, 4, 5))
+#: dgrad: 64-row tiles (its epilogue holds accumulator, x, mask and x̂ at once; 128-row tiles spill).
+_DGRAD_SPACE = ((64, 128, 64, 4, 3), (64, 128, 32, 4, 4), (64, 64, 64, 4, 4), (64, 64, 32, 4, 5))
 #: wgrad: (output channels, input channels, rows) per tile.
 _WGRAD_SPACE = ((128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4),
                 (128, 128, 32, 8, 4), (64, 64, 128, 4, 3))
@@ -225,8 +234,8 @@ class TritonPlan:
             as a :class:`StatsHandoff`. out_stats: the last conv's epilogue writes its output's
             partial statistics (for the next block). residual_dtype: dtype of the ``r`` of
             ``residual="tensor"``.
-        overrides: ``{"fprop" | "dgrad" | "wgrad": GemmConfig}`` forced for every unit (tuning, the
-            static report); split: forced wgrad K-split; tune: look up / tune tiles
+        overrides: ``{"fprop" | "dgrad" | "wgrad": GemmConfig or [GemmConfig per unit]}`` forced tiles
+            (tuning, the static report); split: forced wgrad K-split (also the projection's); tune: look up / tune tiles
             (:mod:`fused_preact.ops._tuning`) when tuning is enabled and the device is a GPU.
     """
 
@@ -237,6 +246,7 @@ class TritonPlan:
         self.spec, self.modes, self.device, self.cdtype = spec, modes, device, cdtype
         self.x_shape, self.x_strides, self.x_dtype = tuple(x_shape), tuple(x_strides), x_dtype
         self.in_stats, self.out_stats = in_stats, out_stats
+        self._forced_split = split
         self.channels_last = len(x_strides) == 4 and _is_channels_last(x_shape, x_strides)
         n = len(spec.convs)
         res_dtype = {"input": x_dtype, "tensor": residual_dtype}.get(spec.residual)
@@ -255,7 +265,7 @@ class TritonPlan:
             N, C, H, W = shapes[i]
             _, K, P, Q = shapes[i + 1]
             Cg, Kg = C // g.groups, K // g.groups
-            over = overrides or {}
+            over = {k: (v[i] if isinstance(v, (list, tuple)) else v) for k, v in (overrides or {}).items()}
             fcfg = over.get("fprop") or fprop_config(N * P * Q, Kg, Cg, cdtype, stats_out)
             dcfg = over.get("dgrad") or dgrad_config(N * H * W, Cg, Kg, cdtype)
             wcfg = over.get("wgrad") or wgrad_config(Kg, Cg, N * P * Q, cdtype)
@@ -346,7 +356,7 @@ class TritonPlan:
         self.proj_fcfg = fprop_config(N * P * Q, K, C, self.cdtype, False)
         self.proj_wcfg = wgrad_config(K, C, N * P * Q, self.cdtype)
         tiles = triton.cdiv(K, self.proj_wcfg.BLOCK_M) * triton.cdiv(C, self.proj_wcfg.BLOCK_N)
-        self.proj_split = _wgrad_split(N * P * Q, tiles, self.proj_wcfg.BLOCK_K, self.device)
+        self.proj_split = self._forced_split or _wgrad_split(N * P * Q, tiles, self.proj_wcfg.BLOCK_K, self.device)
 
     def _stats_rows(self) -> int:
         M = self.units[0].M_in
@@ -639,8 +649,8 @@ class TritonPlan:
                 BLOCK_K2=_p2(K2, 16, cfg.BLOCK_K if not interpreting() else 256),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
-        # ---- wgrad (+ the projection's) and the fold of the sums, in one launch
-        wc, pwc = u.wcfg, self.proj_wcfg
+        # ---- wgrad and the fold of the sums, in one launch
+        wc = u.wcfg
         dw = dws[i]
         n_wg = 0
         dw_target, sdw = None, (0, 0, 0, 0)
@@ -649,28 +659,33 @@ class TritonPlan:
                     * g.kernel[0] * g.kernel[1] * g.groups * u.split)
             dw_target, sdw = (dw, dw.stride()) if u.split == 1 else (wparts[i], (0, 0, 0, 0))
         chunk = triton.cdiv(triton.cdiv(u.M_out, u.split), wc.BLOCK_K) * wc.BLOCK_K
-        n_wg2, chunk2, M2 = 0, 1, 1
-        job2 = (None, 0, 0, 0, 0, None, 0, 0, 0, 0)
-        if proj and dproj_w is not None:
-            M2 = self.x_shape[0] * P2 * Q2
-            n_wg2 = triton.cdiv(K2, pwc.BLOCK_M) * triton.cdiv(C, pwc.BLOCK_N) * self.proj_split
-            chunk2 = triton.cdiv(triton.cdiv(M2, self.proj_split), wc.BLOCK_K) * wc.BLOCK_K
-            dw2, sdw2 = (dproj_w, dproj_w.stride()) if self.proj_split == 1 else (wparts[-1], (0, 0, 0, 0))
-            job2 = (*dproj[:5], dw2, *sdw2)
         sum_mode = (2 if kind == EXTERNAL else 1) if need_sums else 0
         block_c = _p2(C, 16, 256) if interpreting() else 64
         n_red = triton.cdiv(C, block_c) if sum_mode else 0
-        if n_wg + n_wg2 + n_red:
-            self._launch("wgrad", CK._wgrad_kernel, (n_wg + n_wg2 + n_red,),
-                g_out, *g_strides, xin, *sx, pack, dw_target, *sdw, *job2,
+        if n_wg + n_red:
+            self._launch("wgrad", CK._wgrad_kernel, (n_wg + n_red,),
+                g_out, *g_strides, xin, *sx, pack, dw_target, *sdw,
                 psum, num_parts, dbetas[i], dgammas[i], coef, 1.0 / u.M_in,
-                u.M_out, chunk, n_wg, M2, chunk2, n_wg2, **geo, SPLIT=u.split,
-                P2=P2, Q2=Q2, K2=K2, STRIDE2=stride2, SPLIT2=self.proj_split, HAS_JOB2=n_wg2 > 0,
+                u.M_out, chunk, n_wg, **geo, SPLIT=u.split,
                 SUM_MODE=sum_mode, HAS_GAMMA=has_gamma, **dot,
                 BLOCK_M=wc.BLOCK_M, BLOCK_N=wc.BLOCK_N, BLOCK_R=wc.BLOCK_K,
-                BLOCK_M2=pwc.BLOCK_M if pwc else 16, BLOCK_N2=pwc.BLOCK_N if pwc else 16,
                 BLOCK_C=block_c, BLOCK_P=_p2(num_parts, 16, 1024) if interpreting() else 32,
                 num_warps=wc.num_warps, num_stages=wc.num_stages,
+            )
+        n_wg2 = 0
+        if proj and dproj_w is not None:  # the projection shortcut's wgrad: its own launch (own tiles)
+            pwc, N2 = self.proj_wcfg, self.x_shape[0]
+            M2 = N2 * P2 * Q2
+            n_wg2 = triton.cdiv(K2, pwc.BLOCK_M) * triton.cdiv(C, pwc.BLOCK_N) * self.proj_split
+            dw2, sdw2 = (dproj_w, dproj_w.stride()) if self.proj_split == 1 else (wparts[-1], (0, 0, 0, 0))
+            self._launch("wgrad_proj", CK._wgrad_kernel, (n_wg2,),
+                *dproj[:5], xin, *sx, pack, dw2, *sdw2,
+                psum, 0, None, None, coef, 1.0,
+                M2, triton.cdiv(triton.cdiv(M2, self.proj_split), pwc.BLOCK_K) * pwc.BLOCK_K, n_wg2,
+                H=H, W=W, C=C, P=P2, Q=Q2, K=K2, GROUPS=1, R=1, S=1, STRIDE_H=stride2, STRIDE_W=stride2,
+                PAD_H=0, PAD_W=0, DIL_H=1, DIL_W=1, SPLIT=self.proj_split, SUM_MODE=0, HAS_GAMMA=False, **dot,
+                BLOCK_M=pwc.BLOCK_M, BLOCK_N=pwc.BLOCK_N, BLOCK_R=pwc.BLOCK_K, BLOCK_C=16, BLOCK_P=16,
+                num_warps=pwc.num_warps, num_stages=pwc.num_stages,
             )
         # ---- dx pass of BN's backward (batch statistics) and the split-K folds, in one launch
         n_red1 = triton.cdiv(dw.numel(), _FOLD_BLOCK) if (dw is not None and u.split > 1) else 0

@@ -1,0 +1,159 @@
+"""Job provider of the static report for the fused chains: every Triton launch a block can make.
+
+For each distinct pre-activation block of the requested models (:func:`fused_preact.bench.shapes.
+enumerate_blocks`) and each dtype, a :class:`fused_preact.ops._triton.TritonPlan` is built on the meta
+device (nothing is allocated) and its forward and backward are *recorded* instead of launched
+(:meth:`TritonPlan.recording`): the records are exactly the ``fn[grid](*args, **kwargs)`` calls a GPU
+would run, so the report compiles what runs. Recorded per block and dtype:
+
+    train and eval mode (BN finalize modes, dgrad's eval epilogue), channels_last input;
+    the heuristic default tiles and every autotune candidate (:func:`fused_preact.ops._triton.candidates`,
+    clamped per unit, as the tuner clamps them), each applied to every conv of the block;
+    the wgrad K-split a GPU of each arch would choose (132 SMs on sm_90, 108 on sm_80), besides 1;
+    the output statistics epilogue on (a block followed by another) and off (the last block).
+
+Meta tensors report ``data_ptr() == 0``, i.e. 16-byte aligned, as the caching allocator's blocks are.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from fused_preact.bench.shapes import BlockShape, UnitShape, enumerate_blocks
+from fused_preact.bench.static import StaticJob
+
+__all__ = ["chain_jobs", "SM_COUNT"]
+
+#: SMs per GPU used for the wgrad split: H100 SXM5 (sm_90) 132, A100 (sm_80) 108 (NVIDIA data sheets).
+SM_COUNT: dict[int, int] = {90: 132, 80: 108}
+_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_CONV = {"fprop", "fprop_proj", "dgrad", "wgrad"}
+
+
+def _chain(b: BlockShape):
+    """(ChainSpec, input shape) of block ``b`` — its units in order, then the projection shortcut."""
+    from fused_preact.ops import ChainSpec, ConvGeom
+
+    def geom(u: UnitShape) -> ConvGeom:
+        return ConvGeom(u.C, u.K, (u.R, u.S), tuple(u.stride), tuple(u.padding), tuple(u.dilation), u.groups)
+
+    convs = [u for u in b.units if not u.name.endswith("shortcut")]
+    proj = [u for u in b.units if u.name.endswith("shortcut")]
+    spec = ChainSpec(tuple(geom(u) for u in convs), geom(proj[0]) if proj else None, "add",
+                     "none" if proj else "input")
+    return spec, (b.N, b.in_planes, b.H, b.W)
+
+
+def _meta_tensors(spec, dtype):
+    from fused_preact.ops import ChainTensors
+
+    t = ChainTensors([], [], [], [], [], [], [], [], [])
+    for g in spec.convs:
+        w = torch.empty((g.out_channels, g.in_channels // g.groups, *g.kernel), device="meta", dtype=dtype)
+        t.weights.append(w.contiguous(memory_format=torch.channels_last))
+        t.biases.append(None)
+        for lst in (t.gammas, t.betas, t.running_means, t.running_vars):
+            lst.append(torch.empty(g.in_channels, device="meta"))
+        t.num_batches.append(torch.empty((), device="meta", dtype=torch.int64))
+        t.momenta.append(0.1)
+        t.eps.append(1e-5)
+    if spec.proj is not None:
+        g = spec.proj
+        t.proj_weight = torch.empty((g.out_channels, g.in_channels, 1, 1), device="meta", dtype=dtype).contiguous(
+            memory_format=torch.channels_last)
+    return t
+
+
+def _record(spec, modes, x_shape, dtype, out_stats: bool, overrides=None, split: Optional[int] = None):
+    """The Launch records of one forward + backward of the chain (meta device: nothing runs)."""
+    from fused_preact.ops._triton import TritonPlan
+
+    x = torch.empty(x_shape, device="meta", dtype=dtype).contiguous(memory_format=torch.channels_last)
+    plan = TritonPlan(spec, modes, x.shape, x.stride(), dtype, x.device, dtype, False, out_stats,
+                      overrides=overrides, split=split, tune=False)
+    t = _meta_tensors(spec, dtype)
+    with plan.recording() as launches:
+        out, _, inputs, aux, _, _ = plan.forward(x, t)
+        dy = torch.empty(out.shape, device="meta", dtype=dtype).contiguous(memory_format=torch.channels_last)
+        n = len(spec.convs)
+        plan.backward(dy, None, inputs, aux, t.weights, t.proj_weight, True, [True] * n, [False] * n,
+                      spec.proj is not None, [torch.float32] * n)
+    return plan, launches
+
+
+def _label(rec) -> str:
+    k = rec.kwargs
+    if "BLOCK_N" in k and "BLOCK_K" in k:
+        return f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{k.get('num_warps', 4)} s{k.get('num_stages', 3)}"
+    if "BLOCK_R" in k:
+        return (f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_R']} w{k.get('num_warps', 4)} s{k.get('num_stages', 3)}"
+                f" split{k.get('SPLIT', 1)}")
+    return " ".join(f"{n}{v}" for n, v in sorted(k.items()) if n.startswith("BLOCK")) + f" w{k.get('num_warps', 4)}"
+
+
+def _variant(rec) -> str:
+    k = rec.kwargs
+    flags = [n for n in ("HAS_PROJ", "HAS_RES", "STATS", "WRITE_DX", "HAS_JOB2", "HAS_GAMMA", "UPDATE_RUNNING")
+             if k.get(n)]
+    geo = f"{k['R']}x{k['S']}s{k.get('STRIDE_H', 1)}" if "R" in k else ""
+    mode = f"mode{k['MODE']}" if "MODE" in k else (f"sum{k['SUM_MODE']}" if "SUM_MODE" in k else "")
+    return " ".join(x for x in (geo, mode, *flags) if x)
+
+
+def chain_jobs(units: Sequence[UnitShape], dtypes: Sequence[torch.dtype]) -> list[StaticJob]:
+    """Every launch of the fused chains for the blocks that contain ``units`` (module docstring)."""
+    from fused_preact.ops import BATCH, RUNNING, BNMode
+    from fused_preact.ops._triton import candidates
+
+    wanted = {n for u in units for n in u.names}
+    batch = units[0].N if units else 128
+    blocks = [b for m in sorted({u.model for u in units}) for b in enumerate_blocks(m, batch)
+              if any(u_name in wanted for u in b.units for u_name in u.names)]
+    jobs: list[StaticJob] = []
+    for dtype in dtypes:
+        for b in blocks:
+            spec, x_shape = _chain(b)
+            n = len(spec.convs)
+            shape = f"{b.name} [{b.describe()}]"
+            runs = []
+            for train in (True, False):
+                modes = tuple(BNMode(BATCH if train else RUNNING, True, train) for _ in range(n))
+                for out_stats in ((True, False) if train else (False,)):
+                    runs.append((modes, out_stats, None, None, None))
+            modes = tuple(BNMode(BATCH, True, True) for _ in range(n))
+            plan, _ = _record(spec, modes, x_shape, dtype, True)
+            for kind in ("fprop", "dgrad", "wgrad"):
+                per_unit = [_unit_candidates(kind, u, dtype, candidates) for u in plan.units]
+                for j in range(max(len(c) for c in per_unit)):
+                    runs.append((modes, True, {kind: [c[min(j, len(c) - 1)] for c in per_unit]}, None, None))
+            for arch, sms in SM_COUNT.items():
+                split = _gpu_split(plan, sms)
+                if split > 1:
+                    runs.append((modes, True, None, split, (arch,)))
+            for modes_r, out_stats, over, split, archs in runs:
+                _, launches = _record(spec, modes_r, x_shape, dtype, out_stats, over, split)
+                for rec in launches:
+                    jobs.append(StaticJob(rec.name, _label(rec), rec.fn, rec.args, rec.kwargs, rec.name in _CONV,
+                                          _variant(rec), _NAMES[dtype], shape, archs))
+    return jobs
+
+
+def _unit_candidates(kind: str, u, dtype, candidates) -> list:
+    Cg, Kg = u.in_shape[1] // u.geom.groups, u.out_shape[1] // u.geom.groups
+    dims = {"fprop": (u.M_out, Kg, Cg), "dgrad": (u.M_in, Cg, Kg), "wgrad": (Kg, Cg, u.M_out)}[kind]
+    return candidates(kind, *dims, dtype)
+
+
+def _gpu_split(plan, sms: int) -> int:
+    """The largest wgrad K-split a GPU with ``sms`` SMs picks for a unit of ``plan`` (see
+    :func:`fused_preact.ops._triton._wgrad_split`)."""
+    best = 1
+    for u in plan.units:
+        g = u.geom
+        Cg, Kg = u.in_shape[1] // g.groups, u.out_shape[1] // g.groups
+        tiles = math.ceil(Kg / u.wcfg.BLOCK_M) * math.ceil(Cg / u.wcfg.BLOCK_N) * g.kernel[0] * g.kernel[1] * g.groups
+        best = max(best, min(64, 2 * sms // max(tiles, 1), u.M_out // (8 * u.wcfg.BLOCK_K)))
+    return best
