@@ -43,13 +43,47 @@ int64_t rows_per_chunk(int64_t M) {
   return (M + chunks - 1) / chunks;
 }
 
-// Chan et al.: merge (nb, mean_b, m2_b) into (n, mean, m2).
+// NaN/Inf semantics of the statistics (those of torch.mean / torch.var over the batch, i.e. of the
+// float64 reference): a channel holding a NaN has mean = var = NaN; one holding +inf (or -inf) and
+// otherwise finite values has mean = +inf (-inf) and var = NaN; +inf together with -inf gives a NaN
+// mean. Welford's update alone would turn an infinite running mean into NaN at the next finite value
+// (inf + (v - inf)/n), so once a value or a partial mean is non-finite the mean is carried as a plain
+// sum (inf + finite = inf, inf - inf = NaN) and M2 becomes NaN. (Eager PyTorch's CUDA batch norm uses
+// Welford and may report NaN where this reports ±inf; its normalized output is NaN either way.)
+
+// Welford: add value v to (n, mean, m2).
+__device__ __forceinline__ void welford_add(float &n, float &mean, float &m2, float v) {
+  n += 1.f;
+  if (isfinite(v) && isfinite(mean)) {
+    float const delta = v - mean;
+    mean += delta / n;
+    m2 += delta * (v - mean);
+  } else {
+    mean = n == 1.f ? v : mean + v;
+    m2 = __int_as_float(0x7fc00000);  // NaN
+  }
+}
+
+// Chan et al.: merge (nb, mean_b, m2_b) into (n, mean, m2). An empty side contributes nothing (also
+// no delta^2 * 0 term, which would be NaN for an infinite mean).
 template <typename F>
 __device__ __forceinline__ void chan_merge(F &n, F &mean, F &m2, F nb, F mean_b, F m2_b) {
   if (nb == F(0)) {
     return;
   }
+  if (n == F(0)) {
+    n = nb;
+    mean = mean_b;
+    m2 = m2_b;
+    return;
+  }
   F const total = n + nb;
+  if (!isfinite(mean) || !isfinite(mean_b)) {
+    mean = mean + mean_b;
+    m2 = F(__int_as_float(0x7fc00000));
+    n = total;
+    return;
+  }
   F const delta = mean_b - mean;
   mean += delta * (nb / total);
   m2 += m2_b + delta * delta * (n * nb / total);
@@ -69,11 +103,7 @@ __global__ void stats_partial_kernel(T const *__restrict__ x, int64_t M, int C, 
   float n = 0.f, mean = 0.f, m2 = 0.f;
   if (c < C) {
     for (int64_t r = begin + threadIdx.y; r < end; r += kThreadsM) {
-      float const v = Storage<T>::load(x + r * C + c);
-      n += 1.f;
-      float const delta = v - mean;
-      mean += delta / n;
-      m2 += delta * (v - mean);
+      welford_add(n, mean, m2, Storage<T>::load(x + r * C + c));
     }
   }
   s_n[threadIdx.y][threadIdx.x] = n;
@@ -110,6 +140,13 @@ __global__ void stats_finalize_kernel(float const *__restrict__ partials, int ch
 }
 
 // ---------------------------------------------------------------------------- BN backward
+// ReLU's backward as eager PyTorch computes it, threshold_backward(grad, relu(z), 0) =
+// relu(z) <= 0 ? 0 : grad, evaluated on z = x*scale + shift with the fp32 scale/shift (as the Triton
+// backend and the float64 reference; not the 16-bit copies CUTLASS 2.x's fprop transform used, which
+// would flip the mask wherever |z| is below their rounding error). A NaN z (NaN in x, or a NaN
+// statistic) passes the gradient, as relu(NaN) = NaN does in eager; z = -inf blocks it.
+__device__ __forceinline__ float relu_backward(float z, float grad) { return z <= 0.f ? 0.f : grad; }
+
 template <typename T>
 __global__ void dgrad_reduce_kernel(float *__restrict__ da, T const *__restrict__ x,
                                     float const *__restrict__ scale, float const *__restrict__ shift,
@@ -130,10 +167,7 @@ __global__ void dgrad_reduce_kernel(float *__restrict__ da, T const *__restrict_
     for (int64_t r = begin + threadIdx.y; r < end; r += kThreadsM) {
       int64_t const at = r * C + c;
       float const xv = Storage<T>::load(x + at);
-      // The mask of the specified function relu(x*scale + shift) with fp32 scale/shift (as the Triton
-      // backend and the float64 reference): not the 16-bit copies CUTLASS's fprop transform used,
-      // which would flip the mask wherever |x*scale + shift| is below their rounding error.
-      float const dz = fmaf(xv, s, b) > 0.f ? da[at] : 0.f;
+      float const dz = relu_backward(fmaf(xv, s, b), da[at]);
       sum_dz += dz;
       sum_dzx += dz * ((xv - mu) * rstd);
       if (write_dx) {

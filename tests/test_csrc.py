@@ -306,3 +306,60 @@ def test_reports_build_info_and_device_support():
     x = torch.empty(2, 16, 8, 8, dtype=torch.float16, device="cuda")
     w = torch.empty(16, 16, 3, 3, dtype=torch.float16, device="cuda")
     assert cu.not_supported_reasons(x, w, 1, 1, 1, 1) == []
+
+
+# ------------------------------------------------------------------------- NaN / Inf semantics
+def _special_pattern(t: torch.Tensor) -> dict[str, torch.Tensor]:
+    t = t.detach().double().cpu()
+    return {"nan": torch.isnan(t), "+inf": torch.isposinf(t), "-inf": torch.isneginf(t)}
+
+
+def _assert_same_special_pattern(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """Exactly the same NaN, +inf and -inf positions as the reference (finite values are not compared)."""
+    g, r = _special_pattern(got), _special_pattern(ref)
+    assert got.shape == ref.shape, (what, got.shape, ref.shape)
+    for kind in g:
+        differ = (g[kind] != r[kind]).sum().item()
+        assert differ == 0, (
+            f"{what}: {kind} at {g[kind].sum().item()} positions, eager at {r[kind].sum().item()} "
+            f"({differ} differ)"
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("special", [float("nan"), float("inf"), float("-inf")], ids=["nan", "+inf", "-inf"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_nan_and_inf_follow_eager(dtype, special, training):
+    """One NaN / +inf / -inf in x: output, all gradients and the batch statistics have exactly eager's
+    NaN/Inf pattern (issue 10, item A). Eager: relu(NaN) = NaN, relu(+inf) = inf, relu(-inf) = 0, and
+    ReLU's backward passes the gradient where relu(z) is NaN; in training the channel's mean is non-finite
+    and so is everything normalized with it. Padded taps stay zeros of the activation."""
+    cu = _require_gpu_backend()
+    shape = (2, 16, 6, 6, 16, 3, 3, 1, 1, 1)
+    x, w, b, gamma, beta, rm, rv, conv = _problem(shape, dtype, True, seed=7)
+    gamma[3] = 1.0  # a positive scale: -inf stays -inf before the ReLU in eval mode
+    x[0, 3, 2, 2] = special
+    st, pd, dl = conv
+    eps = 1e-5
+    if training:
+        mean, var = cu.batch_stats(x)
+        xd = x.double()
+        _assert_same_special_pattern(mean, xd.mean((0, 2, 3)), "batch mean")
+        _assert_same_special_pattern(var, xd.var((0, 2, 3), unbiased=False), "batch var")
+    else:
+        mean, var = rm.float(), rv.float()
+    invstd = torch.rsqrt(var + eps)
+    y = cu.fprop(x, w, b, mean, invstd, gamma, beta, st, pd, dl, 1)
+    y_ref, (xd, wd, bd, gd, betad) = _reference(x, w, b, gamma, beta, rm, rv, training, conv, eps)
+    _assert_same_special_pattern(y, y_ref, "y")
+    assert torch.isfinite(y_ref).sum() < y_ref.numel() or special == float("-inf")  # the test bites
+
+    dy = randn(*y.shape, dtype=dtype, device="cuda", channels_last=True, generator=torch.Generator().manual_seed(8))
+    y_ref.backward(dy.double())
+    dx, dw, db, dgamma, dbeta = cu.backward(dy, x, w, mean, invstd, gamma, beta, st, pd, dl, 1, training, True)
+    _assert_same_special_pattern(dx, xd.grad, "dx")
+    _assert_same_special_pattern(dw, wd.grad, "dw")
+    _assert_same_special_pattern(db, bd.grad, "db")
+    _assert_same_special_pattern(dgamma, gd.grad, "dgamma")
+    _assert_same_special_pattern(dbeta, betad.grad, "dbeta")
