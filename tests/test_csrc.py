@@ -124,7 +124,8 @@ def test_build_config_archs_and_gencode(monkeypatch):
     cfg = _build_config()
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
     monkeypatch.delenv("FUSED_PREACT_CUDA_ARCHS", raising=False)
-    assert cfg.cuda_archs() == ["80", "90"]
+    assert cfg.cuda_archs() == ["80", "90a"]
+    assert cfg.gencode_flags() == ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a"]
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.5;8.6+PTX")
     assert cfg.cuda_archs() == ["86+PTX"]
     assert cfg.gencode_flags() == ["-gencode=arch=compute_86,code=sm_86", "-gencode=arch=compute_86,code=compute_86"]
@@ -136,6 +137,26 @@ def test_build_config_archs_and_gencode(monkeypatch):
     monkeypatch.setenv("FUSED_PREACT_CUDA_ARCHS", "7.0")
     with pytest.raises(ValueError, match="no CUDA architecture >= 8.0"):
         cfg.cuda_archs()
+
+
+def test_build_config_sm90_sources_get_sm90a_alone(monkeypatch):
+    """csrc/sm90_*.cu are compiled for sm_90a only (with FUSED_PREACT_SM90 and NDEBUG) whenever a 9.x
+    architecture is listed, and as stubs (the common flags, no define) otherwise."""
+    cfg = _build_config()
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    names = {os.path.basename(s) for s in cfg.sm90_sources()}
+    assert {"sm90_conv_fprop.cu", "sm90_conv_dgrad.cu", "sm90_conv_wgrad.cu"} <= names
+    assert not names & {os.path.basename(s) for s in cfg.common_sources()}
+    assert sorted(cfg.sm90_sources() + cfg.common_sources()) == cfg.sources()
+    for spec in ("8.0;9.0", "8.0;9.0a", "9.0"):
+        monkeypatch.setenv("FUSED_PREACT_CUDA_ARCHS", spec)
+        flags = cfg.nvcc_flags_sm90()
+        assert [f for f in flags if f.startswith("-gencode")] == ["-gencode=arch=compute_90a,code=sm_90a"], spec
+        assert "-DFUSED_PREACT_SM90" in flags and "-DNDEBUG" in flags
+    monkeypatch.setenv("FUSED_PREACT_CUDA_ARCHS", "8.0;8.6")
+    assert cfg.sm90_archs() == []
+    assert cfg.nvcc_flags_sm90() == cfg.nvcc_flags()
+    assert "-DFUSED_PREACT_SM90" not in cfg.nvcc_flags()
 
 
 def test_build_config_jobs_and_sources(monkeypatch):
@@ -154,6 +175,32 @@ def test_build_config_missing_cutlass_says_how_to_install(monkeypatch, tmp_path)
     monkeypatch.setitem(sys.modules, "cutlass_library", None)  # makes `import cutlass_library` fail
     with pytest.raises(RuntimeError, match="pip install"):
         cfg.cutlass_include_dir()
+
+
+def test_sm90_thread_mappings_and_padding_arithmetic_on_the_host(tmp_path):
+    """csrc/checks/sm90_layout_checks.cu, compiled with nvcc and run on the CPU (no GPU needed): the
+    register/smem fragments the sm90 transforms work on cover their tiles exactly once with the
+    channel pairing the code assumes, the k-tile walk follows CUTLASS's (C, S, R) order, and the
+    padding test agrees with the definition of the convolution (strides, dilation, padding)."""
+    import shutil
+
+    cfg = _build_config()
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("needs nvcc")
+    try:
+        includes = [f"-I{d}" for d in cfg.include_dirs()]
+    except RuntimeError as exc:
+        pytest.skip(f"needs the CUTLASS headers: {exc}")
+    exe = tmp_path / "sm90_layout_checks"
+    src = os.path.join(ROOT, "csrc", "checks", "sm90_layout_checks.cu")
+    build = subprocess.run(
+        [nvcc, "-std=c++20", "--expt-relaxed-constexpr", "-O1", *includes, src, "-o", str(exe)],
+        capture_output=True, text=True,
+    )
+    assert build.returncode == 0, build.stdout + build.stderr
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0 and "all passed" in run.stdout, run.stdout + run.stderr
 
 
 # ------------------------------------------------------------------------------------ GPU tests
