@@ -69,7 +69,7 @@ echo "compile_csrc: nvcc flags: ${NVCC_FLAGS[*]}"
 echo "compile_csrc: nvcc flags of sm90_*.cu: ${NVCC_FLAGS_SM90[*]}"
 
 compile_one() {
-  local src=$1 name t0 log status keep flags
+  local src=$1 name t0 log status keep flags user sys TIMEFORMAT='%R %U %S' 
   name=$(basename "$src")
   log="$OUT/$name.log"
   t0=$(date +%s)
@@ -77,9 +77,10 @@ compile_one() {
     if [[ "$name" == sm90_* ]]; then flags=("${NVCC_FLAGS_SM90[@]}"); else flags=("${NVCC_FLAGS[@]}"); fi
     keep=()
     if [[ -n "$CUBIN_DIR" ]]; then mkdir -p "$OUT/keep.$name"; keep=(--keep --keep-dir "$OUT/keep.$name"); fi
-    "$NVCC" "${TORCH_NVCC_FLAGS[@]}" "${flags[@]}" "${COMMON[@]}" "${keep[@]}" -Xcompiler -fPIC -c "$src" -o "$OUT/$name.o" >"$log" 2>&1
+    { time "$NVCC" "${TORCH_NVCC_FLAGS[@]}" "${flags[@]}" "${COMMON[@]}" "${keep[@]}" -Xcompiler -fPIC -c "$src" \
+        -o "$OUT/$name.o" >"$log" 2>&1; } 2>"$OUT/$name.time"
   else
-    "$CXX" -std=c++20 -O1 -fPIC "${COMMON[@]}" -c "$src" -o "$OUT/$name.o" >"$log" 2>&1
+    { time "$CXX" -std=c++20 -O1 -fPIC "${COMMON[@]}" -c "$src" -o "$OUT/$name.o" >"$log" 2>&1; } 2>"$OUT/$name.time"
   fi
   status=$?
   if [[ $status -ne 0 ]]; then
@@ -102,7 +103,9 @@ compile_one() {
     rm -rf "$OUT/keep.$name"
   fi
   if grep -q "warning" "$log"; then cat "$log"; fi
-  echo "compile_csrc: ok $name ($(( $(date +%s) - t0 )) s)"
+  read -r _ user sys <"$OUT/$name.time"
+  echo "compile_csrc: ok $name ($(( $(date +%s) - t0 )) s wall, $(awk "BEGIN {printf \"%.0f\", $user + $sys}") s cpu," \
+       "object $(( $(stat -c %s "$OUT/$name.o") / 1024 )) KiB)"
 }
 export -f compile_one
 export OUT NVCC CXX CUBIN_DIR
@@ -129,5 +132,6 @@ printf '%s\n' "${SOURCES[@]}" | xargs -P "$JOBS" -I{} bash -c '
   read -r -a COMMON <<<"$COMMON_STR"
   compile_one "$1"' _ {} || { echo "compile_csrc: FAILED after $(( $(date +%s) - start )) s"; exit 1; }
 
-echo "compile_csrc: all ${#SOURCES[@]} sources compiled in $(( $(date +%s) - start )) s"
+echo "compile_csrc: all ${#SOURCES[@]} sources compiled in $(( $(date +%s) - start )) s;" \
+     "objects $(cat "$OUT"/*.o | wc -c | awk '{printf "%.1f", $1 / 1048576}') MiB in all (about the extension's size)"
 if [[ -n "$CUBIN_DIR" ]]; then echo "compile_csrc: cubins in $CUBIN_DIR: $(cd "$CUBIN_DIR" && ls *.cubin | tr '\n' ' ')"; fi

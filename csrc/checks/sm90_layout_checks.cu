@@ -7,8 +7,10 @@
 //      each 32-bit register holds channels (k, k+1) of one row; rows do not depend on the k-block.
 //   2. wgrad (sm90_conv_wgrad.cu): the 16-byte transform copy covers the 128x64 x tile exactly once,
 //      a thread's vector is 8 consecutive channels of one pixel and its channels do not change with
-//      the pixel; the accumulator pairs the epilogue stores are adjacent output columns.
-//   3. KTileTap walks k-tiles in CUTLASS's fprop GEMM-K order (channel block, s, r), and
+//      the pixel; the accumulator pairs the epilogue stores are adjacent output columns; the n-tile
+//      coordinate gives the channel block and filter tap the transform and the epilogue use.
+//   3. KTileTap walks k-tiles in CUTLASS's fprop GEMM-K order (channel block, s, r) — checked against
+//      CuTe's own tiling of the (C, S, R) mode as CUTLASS's collective and kernel do it — and
 //      output_row_origin + tap_in_bounds decide padding exactly as the definition of the
 //      convolution, for strided, dilated and padded geometries (brute force).
 #include "sm90_common.cuh"
@@ -137,6 +139,51 @@ void check_padding_and_taps(ConvGeometry const &g, int tile_k) {
   }
 }
 
+// CUTLASS's fprop collective tiles the GEMM-K mode (C, S, R) of its operands with the tile shape
+// (BLK_M, BLK_N, Shape<BLK_K>) and Step<_1, X, _1> (load_init) and walks the k-tiles with a colex
+// coordinate iterator (the kernel): the k-tile t, element k_local must be channel cb·BLK_K + k_local
+// of tap (s, r) with (cb, s, r) the colex decomposition of t — what KTileTap assumes.
+template <int kTileK>
+void check_fprop_k_tiling(int C, int S, int R) {
+  auto mK = make_identity_tensor(make_shape(256, make_shape(C, S, R)));  // (M, (C, S, R))
+  auto gK = local_tile(mK, Shape<_128, _128, Shape<Int<kTileK>>>{}, make_coord(_, _, _), Step<_1, X, _1>{});
+  auto tiles = shape<3>(gK);
+  int const cb_count = (C + kTileK - 1) / kTileK;
+  CHECK(int(size(tiles)) == cb_count * S * R, "k-tiles: %d, expected %d", int(size(tiles)), cb_count * S * R);
+  sm90::ActivationTransform t;
+  t.channel_blocks = cb_count;
+  t.S = S;
+  sm90::KTileTap tap;
+  auto it = make_coord_iterator(tiles);
+  for (int kt = 0; kt < int(size(tiles)); ++kt, ++it, tap.advance(t)) {
+    for (int k = 0; k < kTileK; k += 7) {
+      auto c = gK(0, k, 0, *it);  // (m, (c, s, r))
+      CHECK(int(get<1, 0>(c)) == tap.cb * kTileK + k && int(get<1, 1>(c)) == tap.s && int(get<1, 2>(c)) == tap.r,
+            "k-tile %d element %d: CUTLASS tiling gives (%d, %d, %d), KTileTap (%d, %d, %d)", kt, k,
+            int(get<1, 0>(c)), int(get<1, 1>(c)), int(get<1, 2>(c)), tap.cb * kTileK + k, tap.s, tap.r);
+    }
+  }
+}
+
+// The wgrad kernel reads its filter tap and channel block from the n-tile coordinate, idx2crd of
+// blockIdx.y over the tiled (C, S, R) mode of operand B: element n_local of tile (cb, s, r) must be
+// channel cb·128 + n_local of tap (s, r).
+void check_wgrad_n_tiling(int C, int S, int R) {
+  auto mB = make_identity_tensor(make_shape(make_shape(C, S, R), 1024));  // ((C, S, R), N·P·Q)
+  auto gB = local_tile(mB, Shape<_128, Shape<_128>, Shape<_64>>{}, make_coord(_, _, _), Step<X, _1, _1>{});
+  int const tiles = int(size(shape<2>(gB)));
+  CHECK(tiles == (C + 127) / 128 * S * R, "wgrad n-tiles %d", tiles);
+  for (int y = 0; y < tiles; ++y) {
+    auto n = idx2crd(y, shape<2>(gB));
+    int const cb = get<0>(n), s = get<1>(n), r = get<2>(n);
+    for (int nl = 0; nl < 128; nl += 9) {
+      auto c = gB(nl, 0, n, 0);
+      CHECK(int(get<0, 0>(c)) == cb * 128 + nl && int(get<0, 1>(c)) == s && int(get<0, 2>(c)) == r,
+            "wgrad n-tile %d element %d", y, nl);
+    }
+  }
+}
+
 ConvGeometry geometry(int N, int H, int W, int C, int K, int R, int S, int pad, int stride, int dil) {
   ConvGeometry g{};
   g.N = N; g.H = H; g.W = W; g.C = C; g.K = K; g.R = R; g.S = S;
@@ -157,6 +204,12 @@ int main() {
       geometry(1, 7, 7, 136, 64, 5, 3, 2, 1, 1),  geometry(4, 6, 5, 8, 8, 7, 7, 3, 2, 1),
       geometry(2, 17, 3, 40, 8, 3, 1, 4, 3, 2),
   };
+  check_fprop_k_tiling<64>(64, 3, 3);
+  check_fprop_k_tiling<64>(24, 3, 3);
+  check_fprop_k_tiling<64>(136, 5, 3);
+  check_fprop_k_tiling<64>(256, 1, 1);
+  check_wgrad_n_tiling(64, 3, 3);
+  check_wgrad_n_tiling(200, 3, 5);
   for (ConvGeometry const &g : cases) {
     check_padding_and_taps(g, 64);
     check_padding_and_taps(g, 128);
