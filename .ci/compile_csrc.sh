@@ -4,9 +4,11 @@
 # Every csrc/*.cu is compiled with nvcc against torch's headers and the CUTLASS headers of the
 # nvidia-cutlass package — the common sources for the architectures in FUSED_PREACT_CUDA_ARCHS
 # (default sm_80 and sm_90a), csrc/sm90_*.cu for sm_90a alone — and csrc/*.cpp with the host compiler,
-# each to an object file under a temporary directory (nothing is linked: a CPU-only torch ships the
-# headers but not the CUDA libraries). Any compiler error fails the script. Flags mirror the real
-# build: torch's COMMON_NVCC_FLAGS, then csrc/build_config.py's (nvcc-flags / nvcc-flags-sm90).
+# each to an object file under a temporary directory. Any compiler error fails the script. Flags
+# mirror the real build: torch's COMMON_NVCC_FLAGS, then csrc/build_config.py's (nvcc-flags /
+# nvcc-flags-sm90). The objects are then linked into one shared library with torch's and CUDA's
+# symbols left unresolved (a CPU-only torch ships the headers but not the CUDA libraries): every
+# fused_preact symbol must resolve (a launcher declared but not defined fails here).
 #
 # CSRC_CUBIN_DIR=dir keeps one cubin per (source, architecture) there, named <source>.sm_<arch>.cubin
 # (e.g. sm90_conv_fprop.sm_90a.cubin): nvcc's own per-architecture cubins of the same compile
@@ -132,6 +134,18 @@ printf '%s\n' "${SOURCES[@]}" | xargs -P "$JOBS" -I{} bash -c '
   read -r -a COMMON <<<"$COMMON_STR"
   compile_one "$1"' _ {} || { echo "compile_csrc: FAILED after $(( $(date +%s) - start )) s"; exit 1; }
 
-echo "compile_csrc: all ${#SOURCES[@]} sources compiled in $(( $(date +%s) - start )) s;" \
-     "objects $(cat "$OUT"/*.o | wc -c | awk '{printf "%.1f", $1 / 1048576}') MiB in all (about the extension's size)"
+echo "compile_csrc: all ${#SOURCES[@]} sources compiled in $(( $(date +%s) - start )) s"
+
+# Link check: the objects into one shared library, leaving torch's and CUDA's symbols unresolved (a
+# CPU-only torch has no CUDA libraries to link against); every symbol of our own must resolve, so a
+# launcher declared in launchers.h but defined nowhere (or twice) fails here rather than at import.
+if ! "$CXX" -shared -o "$OUT/_C.so" "$OUT"/*.o >"$OUT/link.log" 2>&1; then
+  cat "$OUT/link.log"; echo "compile_csrc: FAILED to link the objects"; exit 1
+fi
+missing=$(nm -C --undefined-only "$OUT/_C.so" | grep -F "fused_preact::" || true)
+if [[ -n "$missing" ]]; then
+  echo "$missing"; echo "compile_csrc: FAILED: unresolved fused_preact symbols"; exit 1
+fi
+echo "compile_csrc: linked $(stat -c %s "$OUT/_C.so" | awk '{printf "%.1f", $1 / 1048576}') MiB" \
+     "(the extension's size, without debug info), all fused_preact symbols resolved"
 if [[ -n "$CUBIN_DIR" ]]; then echo "compile_csrc: cubins in $CUBIN_DIR: $(cd "$CUBIN_DIR" && ls *.cubin | tr '\n' ' ')"; fi

@@ -17,7 +17,7 @@
 //             the output tree reduces dz the same way and stores dz·s (s = 1 in training, scale in
 //             eval; a row broadcast whose nullptr default is 1).
 // The row reductions are not final (FinalReduction = false): each CTA row of tiles writes its partial
-// sums to an fp32 (ceil(M / 128), round_up(C, 128)) buffer, summed in order in double by
+// sums to an fp32 (ceil(M / 128), round_up(C, 64)) buffer, summed in order in double by
 // bn_kernels.cu (launch_sum_partials): deterministic, no atomics.
 // GEMM: M = N·H·W positions of x, N = C, K = (K, S, R). Tile 128 x 64 x 64: per thread, each of the
 // five row broadcasts and two row reductions of the tree holds one register per column it touches
