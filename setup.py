@@ -3,7 +3,8 @@ fused kernels from ``csrc/``) where a CUDA-enabled torch and nvcc are present.
 
 Environment:
     FUSED_PREACT_SKIP_CUDA=1    never build the extension (pure-Python install).
-    FUSED_PREACT_CUDA_ARCHS     compute capabilities to build, default "8.0;9.0" (else TORCH_CUDA_ARCH_LIST).
+    FUSED_PREACT_CUDA_ARCHS     compute capabilities to build, default "8.0;9.0a" (else TORCH_CUDA_ARCH_LIST);
+                                csrc/sm90_*.cu are built for sm_90a alone when a 9.x entry is present.
     MAX_JOBS                    parallel compile jobs; default from cores and free memory.
     FUSED_PREACT_CUTLASS_INCLUDE  CUTLASS include/ directory instead of the nvidia-cutlass package's.
 
@@ -56,11 +57,22 @@ def _ext_modules():
     os.environ.setdefault("MAX_JOBS", str(config.max_jobs()))
     ext = CUDAExtension(
         "fused_preact._C",
-        [os.path.relpath(s, HERE) for s in config.sources()],
+        [os.path.relpath(s, HERE) for s in config.common_sources()],
         include_dirs=include_dirs,
         extra_compile_args={"cxx": config.cxx_flags(), "nvcc": config.nvcc_flags()},
     )
-    return [ext], {"build_ext": BuildExtension}
+
+    class BuildExtensionWithSm90(BuildExtension):
+        """torch's builder gives every source the same flags; the sm90 sources (sm_90a only) are
+        compiled to objects first by build_config.compile_sm90_objects and linked in."""
+
+        def build_extensions(self):
+            objects = config.compile_sm90_objects(os.path.join(self.build_temp, "sm90"), verbose=self.verbose)
+            for extension in self.extensions:
+                extension.extra_objects = list(extension.extra_objects or []) + objects
+            super().build_extensions()
+
+    return [ext], {"build_ext": BuildExtensionWithSm90}
 
 
 ext_modules, cmdclass = _ext_modules()

@@ -9,10 +9,15 @@
 // fragment holds {scale pair, bias pair} per register) and only swap the arithmetic:
 // `fma.rn.relu.bf16x2` (sm_80+).
 //
+// NaN/Inf: `fma.rn.relu.{f16x2,bf16x2}` clamps a negative result to 0 and converts a NaN result to
+// the canonical NaN (PTX ISA, `.relu` modifier), so relu(NaN) = NaN, relu(+inf) = +inf and
+// relu(-inf) = 0, as eager PyTorch's ReLU.
+//
 // Out-of-bounds (padding) positions are filled by CUTLASS's cp_async_nan with the 16-bit pattern
-// 0x7eff (a NaN in fp16). In bfloat16 that pattern is the finite value ~1.69e38; a real activation of
-// exactly that value would be treated as padding. Such inputs are far outside what BN'd networks
-// produce, and the fp16 path has the analogous property for that NaN payload.
+// 0x7eff and zeroed after the FMA. In fp16 that pattern is a quiet NaN (payload 0xff), in bfloat16
+// the finite value ~1.6947e38: an input holding exactly that bit pattern is taken for padding and
+// contributes 0 (fprop: when both channels of an aligned pair hold it). The fp16 NaN of a float
+// conversion (0x7e00) and the canonical NaN of GPU arithmetic (0x7fff) are not affected. See README.
 //
 // This header must be included before any fused CUTLASS kernel is instantiated.
 #pragma once

@@ -1,5 +1,6 @@
 // Plain CUDA kernels around the convolutions: per-channel batch statistics, the BN-backward
-// reduction after dgrad (ReLU mask, Σdz, Σdz·x̂) and the final dx pass. Torch-free; fp32 arithmetic
+// reduction after the sm80 dgrad (ReLU mask, Σdz, Σdz·x̂), the sum of the sm90 dgrad epilogue's
+// per-tile partials, and the final dx pass. Torch-free; fp32 arithmetic
 // for every storage type. Reductions are two-level and deterministic: a fixed grid of row chunks
 // writes per-(chunk, channel) partials (combined within a block in a fixed order), and one thread
 // per channel combines the chunks in order — no atomics, so results depend only on (M, C).
@@ -43,13 +44,47 @@ int64_t rows_per_chunk(int64_t M) {
   return (M + chunks - 1) / chunks;
 }
 
-// Chan et al.: merge (nb, mean_b, m2_b) into (n, mean, m2).
+// NaN/Inf semantics of the statistics (those of torch.mean / torch.var over the batch, i.e. of the
+// float64 reference): a channel holding a NaN has mean = var = NaN; one holding +inf (or -inf) and
+// otherwise finite values has mean = +inf (-inf) and var = NaN; +inf together with -inf gives a NaN
+// mean. Welford's update alone would turn an infinite running mean into NaN at the next finite value
+// (inf + (v - inf)/n), so once a value or a partial mean is non-finite the mean is carried as a plain
+// sum (inf + finite = inf, inf - inf = NaN) and M2 becomes NaN. (Eager PyTorch's CUDA batch norm uses
+// Welford and may report NaN where this reports ±inf; its normalized output is NaN either way.)
+
+// Welford: add value v to (n, mean, m2).
+__device__ __forceinline__ void welford_add(float &n, float &mean, float &m2, float v) {
+  n += 1.f;
+  if (isfinite(v) && isfinite(mean)) {
+    float const delta = v - mean;
+    mean += delta / n;
+    m2 += delta * (v - mean);
+  } else {
+    mean = n == 1.f ? v : mean + v;
+    m2 = __int_as_float(0x7fc00000);  // NaN
+  }
+}
+
+// Chan et al.: merge (nb, mean_b, m2_b) into (n, mean, m2). An empty side contributes nothing (also
+// no delta^2 * 0 term, which would be NaN for an infinite mean).
 template <typename F>
 __device__ __forceinline__ void chan_merge(F &n, F &mean, F &m2, F nb, F mean_b, F m2_b) {
   if (nb == F(0)) {
     return;
   }
+  if (n == F(0)) {
+    n = nb;
+    mean = mean_b;
+    m2 = m2_b;
+    return;
+  }
   F const total = n + nb;
+  if (!isfinite(mean) || !isfinite(mean_b)) {
+    mean = mean + mean_b;
+    m2 = F(__int_as_float(0x7fc00000));
+    n = total;
+    return;
+  }
   F const delta = mean_b - mean;
   mean += delta * (nb / total);
   m2 += m2_b + delta * delta * (n * nb / total);
@@ -69,11 +104,7 @@ __global__ void stats_partial_kernel(T const *__restrict__ x, int64_t M, int C, 
   float n = 0.f, mean = 0.f, m2 = 0.f;
   if (c < C) {
     for (int64_t r = begin + threadIdx.y; r < end; r += kThreadsM) {
-      float const v = Storage<T>::load(x + r * C + c);
-      n += 1.f;
-      float const delta = v - mean;
-      mean += delta / n;
-      m2 += delta * (v - mean);
+      welford_add(n, mean, m2, Storage<T>::load(x + r * C + c));
     }
   }
   s_n[threadIdx.y][threadIdx.x] = n;
@@ -110,12 +141,19 @@ __global__ void stats_finalize_kernel(float const *__restrict__ partials, int ch
 }
 
 // ---------------------------------------------------------------------------- BN backward
+// ReLU's backward as eager PyTorch computes it, threshold_backward(grad, relu(z), 0) =
+// relu(z) <= 0 ? 0 : grad, evaluated on z = x*scale + shift with the fp32 scale/shift (as the Triton
+// backend and the float64 reference; not the 16-bit copies CUTLASS 2.x's fprop transform used, which
+// would flip the mask wherever |z| is below their rounding error). A NaN z (NaN in x, or a NaN
+// statistic) passes the gradient, as relu(NaN) = NaN does in eager; z = -inf blocks it.
+__device__ __forceinline__ float relu_backward(float z, float grad) { return z <= 0.f ? 0.f : grad; }
+
 template <typename T>
-__global__ void dgrad_reduce_kernel(float *__restrict__ da, T const *__restrict__ x,
+__global__ void dgrad_reduce_kernel(float const *__restrict__ da, T const *__restrict__ x,
                                     float const *__restrict__ scale, float const *__restrict__ shift,
                                     float const *__restrict__ mean,
                                     float const *__restrict__ invstd, int64_t M, int C, int64_t chunk_rows,
-                                    bool write_dx, T *__restrict__ dx, float *__restrict__ partials) {
+                                    bool write_dx, T *__restrict__ out, float *__restrict__ partials) {
   __shared__ float s_dz[kThreadsM][kThreadsC];
   __shared__ float s_dzx[kThreadsM][kThreadsC];
   int const c = blockIdx.x * kThreadsC + threadIdx.x;
@@ -130,17 +168,10 @@ __global__ void dgrad_reduce_kernel(float *__restrict__ da, T const *__restrict_
     for (int64_t r = begin + threadIdx.y; r < end; r += kThreadsM) {
       int64_t const at = r * C + c;
       float const xv = Storage<T>::load(x + at);
-      // The mask of the specified function relu(x*scale + shift) with fp32 scale/shift (as the Triton
-      // backend and the float64 reference): not the 16-bit copies CUTLASS's fprop transform used,
-      // which would flip the mask wherever |x*scale + shift| is below their rounding error.
-      float const dz = fmaf(xv, s, b) > 0.f ? da[at] : 0.f;
+      float const dz = relu_backward(fmaf(xv, s, b), da[at]);
       sum_dz += dz;
       sum_dzx += dz * ((xv - mu) * rstd);
-      if (write_dx) {
-        Storage<T>::store(dx + at, s * dz);
-      } else {
-        da[at] = dz;
-      }
+      Storage<T>::store(out + at, write_dx ? s * dz : dz);
     }
   }
   s_dz[threadIdx.y][threadIdx.x] = sum_dz;
@@ -157,24 +188,24 @@ __global__ void dgrad_reduce_kernel(float *__restrict__ da, T const *__restrict_
   }
 }
 
-__global__ void sum_chunks_kernel(float const *__restrict__ partials, int chunks, int C,
-                                  float *__restrict__ sum_dz, float *__restrict__ sum_dzx) {
+// sum_a[c] = Σ_r a[r*ld + c], sum_b[c] likewise, rows in order, in double: deterministic.
+__global__ void sum_rows_kernel(float const *__restrict__ a, float const *__restrict__ b, int rows, int64_t ld, int C,
+                                float *__restrict__ sum_a, float *__restrict__ sum_b) {
   int const c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) {
     return;
   }
-  int64_t const plane = int64_t(chunks) * C;
-  double a = 0.0, b = 0.0;
-  for (int k = 0; k < chunks; ++k) {
-    a += partials[int64_t(k) * C + c];
-    b += partials[plane + int64_t(k) * C + c];
+  double sa = 0.0, sb = 0.0;
+  for (int k = 0; k < rows; ++k) {
+    sa += a[int64_t(k) * ld + c];
+    sb += b[int64_t(k) * ld + c];
   }
-  sum_dz[c] = float(a);
-  sum_dzx[c] = float(b);
+  sum_a[c] = float(sa);
+  sum_b[c] = float(sb);
 }
 
-template <typename T>
-__global__ void bn_dx_kernel(float const *__restrict__ dz, T const *__restrict__ x,
+template <typename T, typename DZ>
+__global__ void bn_dx_kernel(DZ const *__restrict__ dz, T const *__restrict__ x,
                              float const *__restrict__ scale, float const *__restrict__ mean,
                              float const *__restrict__ invstd, float const *__restrict__ sum_dz,
                              float const *__restrict__ sum_dzx, int64_t M, int C, T *__restrict__ dx) {
@@ -184,7 +215,7 @@ __global__ void bn_dx_kernel(float const *__restrict__ dz, T const *__restrict__
        i += int64_t(gridDim.x) * blockDim.x) {
     int const c = int(i % C);
     float const xhat = (Storage<T>::load(x + i) - mean[c]) * invstd[c];
-    float const v = scale[c] * (dz[i] - sum_dz[c] * inv_m - xhat * sum_dzx[c] * inv_m);
+    float const v = scale[c] * (Storage<DZ>::load(dz + i) - sum_dz[c] * inv_m - xhat * sum_dzx[c] * inv_m);
     Storage<T>::store(dx + i, v);
   }
 }
@@ -208,27 +239,44 @@ char const *batch_stats_impl(void const *x, int64_t M, int C, float *partials, f
   return launch_status();
 }
 
+void launch_sum_rows(float const *a, float const *b, int rows, int64_t ld, int C, float *sum_a, float *sum_b,
+                     cudaStream_t stream) {
+  sum_rows_kernel<<<(C + kFinalizeThreads - 1) / kFinalizeThreads, kFinalizeThreads, 0, stream>>>(a, b, rows, ld, C,
+                                                                                                   sum_a, sum_b);
+}
+
 template <typename T>
-char const *dgrad_reduce_impl(float *da, void const *x, float const *scale, float const *shift,
+char const *dgrad_reduce_impl(float const *da, void const *x, float const *scale, float const *shift,
                               float const *mean, float const *invstd, int64_t M, int C,
-                              bool write_dx, void *dx, float *partials, float *sum_dz, float *sum_dzx,
+                              bool write_dx, void *out, float *partials, float *sum_dz, float *sum_dzx,
                               cudaStream_t stream) {
   dgrad_reduce_kernel<T><<<reduction_grid(M, C), dim3(kThreadsC, kThreadsM), 0, stream>>>(
       da, static_cast<T const *>(x), scale, shift, mean, invstd, M, C, rows_per_chunk(M), write_dx,
-      static_cast<T *>(dx), partials);
-  sum_chunks_kernel<<<(C + kFinalizeThreads - 1) / kFinalizeThreads, kFinalizeThreads, 0, stream>>>(
-      partials, reduction_chunks(M), C, sum_dz, sum_dzx);
+      static_cast<T *>(out), partials);
+  int const chunks = reduction_chunks(M);
+  launch_sum_rows(partials, partials + int64_t(chunks) * C, chunks, C, C, sum_dz, sum_dzx, stream);
+  return launch_status();
+}
+
+template <typename T, typename DZ>
+char const *bn_dx_impl(void const *dz, void const *x, float const *scale, float const *mean,
+                       float const *invstd, float const *sum_dz, float const *sum_dzx, int64_t M, int C,
+                       void *dx, cudaStream_t stream) {
+  int64_t const blocks = std::min<int64_t>((M * C + kElementwiseThreads - 1) / kElementwiseThreads, 65535 * 8);
+  bn_dx_kernel<T, DZ><<<unsigned(blocks), kElementwiseThreads, 0, stream>>>(
+      static_cast<DZ const *>(dz), static_cast<T const *>(x), scale, mean, invstd, sum_dz, sum_dzx, M, C,
+      static_cast<T *>(dx));
   return launch_status();
 }
 
 template <typename T>
-char const *bn_dx_impl(float const *dz, void const *x, float const *scale, float const *mean,
-                       float const *invstd, float const *sum_dz, float const *sum_dzx, int64_t M, int C,
-                       void *dx, cudaStream_t stream) {
-  int64_t const blocks = std::min<int64_t>((M * C + kElementwiseThreads - 1) / kElementwiseThreads, 65535 * 8);
-  bn_dx_kernel<T><<<unsigned(blocks), kElementwiseThreads, 0, stream>>>(
-      dz, static_cast<T const *>(x), scale, mean, invstd, sum_dz, sum_dzx, M, C, static_cast<T *>(dx));
-  return launch_status();
+char const *bn_dx_dispatch(DType dz_dtype, void const *dz, void const *x, float const *scale, float const *mean,
+                           float const *invstd, float const *sum_dz, float const *sum_dzx, int64_t M, int C,
+                           void *dx, cudaStream_t stream) {
+  if (dz_dtype == DType::kFloat32) {
+    return bn_dx_impl<T, float>(dz, x, scale, mean, invstd, sum_dz, sum_dzx, M, C, dx, stream);
+  }
+  return bn_dx_impl<T, T>(dz, x, scale, mean, invstd, sum_dz, sum_dzx, M, C, dx, stream);
 }
 
 }  // namespace
@@ -251,34 +299,43 @@ char const *launch_batch_stats(DType dtype, void const *x, int64_t M, int C, flo
   return "batch_stats: unsupported dtype";
 }
 
-char const *launch_dgrad_reduce(DType dtype, float *da, void const *x, float const *scale, float const *shift,
+char const *launch_dgrad_reduce(DType dtype, float const *da, void const *x, float const *scale, float const *shift,
                                 float const *mean, float const *invstd, int64_t M, int C,
-                                bool write_dx, void *dx, float *partials, float *sum_dz, float *sum_dzx,
+                                bool write_dx, void *out, float *partials, float *sum_dz, float *sum_dzx,
                                 cudaStream_t stream) {
   switch (dtype) {
     case DType::kFloat16:
-      return dgrad_reduce_impl<__half>(da, x, scale, shift, mean, invstd, M, C, write_dx, dx,
+      return dgrad_reduce_impl<__half>(da, x, scale, shift, mean, invstd, M, C, write_dx, out,
                                        partials, sum_dz, sum_dzx, stream);
     case DType::kBFloat16:
       return dgrad_reduce_impl<__nv_bfloat16>(da, x, scale, shift, mean, invstd, M, C, write_dx,
-                                              dx, partials, sum_dz, sum_dzx, stream);
+                                              out, partials, sum_dz, sum_dzx, stream);
     case DType::kFloat32:
-      return dgrad_reduce_impl<float>(da, x, scale, shift, mean, invstd, M, C, write_dx, dx,
+      return dgrad_reduce_impl<float>(da, x, scale, shift, mean, invstd, M, C, write_dx, out,
                                       partials, sum_dz, sum_dzx, stream);
   }
   return "dgrad_reduce: unsupported dtype";
 }
 
-char const *launch_bn_dx(DType dtype, float const *dz, void const *x, float const *scale, float const *mean,
-                         float const *invstd, float const *sum_dz, float const *sum_dzx, int64_t M, int C,
-                         void *dx, cudaStream_t stream) {
+char const *launch_sum_partials(float const *partial_a, float const *partial_b, int rows, int ld, int C,
+                                float *sum_a, float *sum_b, cudaStream_t stream) {
+  launch_sum_rows(partial_a, partial_b, rows, ld, C, sum_a, sum_b, stream);
+  return launch_status();
+}
+
+char const *launch_bn_dx(DType dtype, DType dz_dtype, void const *dz, void const *x, float const *scale,
+                         float const *mean, float const *invstd, float const *sum_dz, float const *sum_dzx, int64_t M,
+                         int C, void *dx, cudaStream_t stream) {
+  if (dz_dtype != dtype && dz_dtype != DType::kFloat32) {
+    return "bn_dx: dz must be float32 or x's dtype";
+  }
   switch (dtype) {
     case DType::kFloat16:
-      return bn_dx_impl<__half>(dz, x, scale, mean, invstd, sum_dz, sum_dzx, M, C, dx, stream);
+      return bn_dx_dispatch<__half>(dz_dtype, dz, x, scale, mean, invstd, sum_dz, sum_dzx, M, C, dx, stream);
     case DType::kBFloat16:
-      return bn_dx_impl<__nv_bfloat16>(dz, x, scale, mean, invstd, sum_dz, sum_dzx, M, C, dx, stream);
+      return bn_dx_dispatch<__nv_bfloat16>(dz_dtype, dz, x, scale, mean, invstd, sum_dz, sum_dzx, M, C, dx, stream);
     case DType::kFloat32:
-      return bn_dx_impl<float>(dz, x, scale, mean, invstd, sum_dz, sum_dzx, M, C, dx, stream);
+      return bn_dx_impl<float, float>(dz, x, scale, mean, invstd, sum_dz, sum_dzx, M, C, dx, stream);
   }
   return "bn_dx: unsupported dtype";
 }

@@ -1,26 +1,38 @@
 """Build settings of the ``fused_preact._C`` CUDA extension, shared by ``setup.py``, the JIT loader
 (``fused_preact.ops._cuda.jit_load``) and the CI compile check (``.ci/compile_csrc.sh``).
 
+Two kinds of sources (see csrc/README.md):
+    common  ``*.cpp`` and ``*.cu`` except ``sm90_*``: compiled for every architecture in the list;
+    sm90    ``sm90_*.cu`` (CUTLASS 3.x, wgmma/TMA): compiled for sm_90a alone, with -DFUSED_PREACT_SM90,
+            when the list names a 9.x architecture; otherwise compiled without device code for
+            that target (their launchers then report "not built"). torch's extension builder
+            compiles every source with the same flags, so setup.py and jit_load compile the sm90
+            sources to objects themselves (compile_sm90_objects) and link them in.
+
 Environment:
-    FUSED_PREACT_CUDA_ARCHS   ";"-separated compute capabilities, e.g. "8.0;9.0" (default), else
+    FUSED_PREACT_CUDA_ARCHS   ";"-separated compute capabilities, e.g. "8.0;9.0a" (default), else
                               TORCH_CUDA_ARCH_LIST; entries < 8.0 are skipped ("+PTX" adds PTX).
     FUSED_PREACT_CUTLASS_INCLUDE  a CUTLASS ``include`` directory to use instead of the
                               ``nvidia-cutlass`` package's copy.
     MAX_JOBS                  parallel compile jobs (default: from cores and memory, see max_jobs()).
 
-Run as a script to print one setting: ``python csrc/build_config.py {nvcc-flags|cxx-flags|include-dirs|
-sources|max-jobs}`` (space-separated, for shell use).
+Run as a script to print one setting: ``python csrc/build_config.py {nvcc-flags|nvcc-flags-sm90|cxx-flags|
+include-dirs|sources|max-jobs|cutlass-include}`` (space-separated, for shell use).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import shutil
+import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 CSRC = os.path.dirname(os.path.abspath(__file__))
 CUTLASS_REQUIREMENT = "nvidia-cutlass>=4.2,<5"
-DEFAULT_ARCHS = "8.0;9.0"
+DEFAULT_ARCHS = "8.0;9.0a"
+SM90_PREFIX = "sm90_"
 # nvcc on one CUTLASS translation unit peaks near 1.2 GiB per architecture; leave headroom.
 GIB_PER_JOB = 3
 
@@ -28,6 +40,27 @@ GIB_PER_JOB = 3
 def sources() -> list[str]:
     """The extension's C++ and CUDA sources, sorted, as absolute paths."""
     return sorted(glob.glob(os.path.join(CSRC, "*.cpp")) + glob.glob(os.path.join(CSRC, "*.cu")))
+
+
+def is_sm90_source(path: str) -> bool:
+    """Whether a source holds sm_90a-only kernels (``sm90_*.cu``)."""
+    name = os.path.basename(path)
+    return name.startswith(SM90_PREFIX) and name.endswith(".cu")
+
+
+def common_sources() -> list[str]:
+    """Sources compiled for every architecture of the list."""
+    return [s for s in sources() if not is_sm90_source(s)]
+
+
+def sm90_sources() -> list[str]:
+    """Sources compiled for sm_90a only."""
+    return [s for s in sources() if is_sm90_source(s)]
+
+
+def headers() -> list[str]:
+    """csrc's headers (a change in any of them makes compiled objects stale)."""
+    return sorted(glob.glob(os.path.join(CSRC, "*.h")) + glob.glob(os.path.join(CSRC, "*.cuh")))
 
 
 def cutlass_include_dir() -> str:
@@ -98,9 +131,25 @@ def gencode_flags(archs: list[str] | None = None) -> list[str]:
     return flags
 
 
+def cutlass_util_include_dir(include_dir: str | None = None) -> str | None:
+    """CUTLASS's ``tools/util/include`` next to its ``include`` (``cutlass/util/packed_stride.hpp``,
+    used by the CUTLASS 3.x conv collectives), or None if absent."""
+    include_dir = include_dir or cutlass_include_dir()
+    path = os.path.normpath(os.path.join(include_dir, "..", "tools", "util", "include"))
+    return path if os.path.isfile(os.path.join(path, "cutlass", "util", "packed_stride.hpp")) else None
+
+
 def include_dirs() -> list[str]:
-    """Include directories beyond torch's own: csrc/ and CUTLASS."""
-    return [CSRC, cutlass_include_dir()]
+    """Include directories beyond torch's own: csrc/, CUTLASS and CUTLASS's tools/util."""
+    include = cutlass_include_dir()
+    util = cutlass_util_include_dir(include)
+    return [CSRC, include] + ([util] if util else [])
+
+
+def sm90_archs(archs: list[str] | None = None) -> list[str]:
+    """Targets of the sm90 sources: ["90a"] when the list names a 9.x architecture, else []."""
+    archs = archs if archs is not None else cuda_archs()
+    return ["90a"] if any(a.replace("+PTX", "").startswith("9") for a in archs) else []
 
 
 def cxx_flags() -> list[str]:
@@ -126,6 +175,69 @@ def nvcc_flags(archs: list[str] | None = None) -> list[str]:
     ]
 
 
+def nvcc_flags_sm90(archs: list[str] | None = None) -> list[str]:
+    """nvcc flags of the sm90 sources: sm_90a only with FUSED_PREACT_SM90 defined, and -DNDEBUG
+    (a device-side assert is a call, and a call inside the mainloop makes ptxas serialize the wgmma
+    pipeline, warning C7510). Without a 9.x target: the common flags (the sources compile to stubs)."""
+    archs = archs if archs is not None else cuda_archs()
+    if not sm90_archs(archs):
+        return nvcc_flags(archs)
+    return [f for f in nvcc_flags(["90a"])] + ["-DFUSED_PREACT_SM90", "-DNDEBUG"]
+
+
+def _nvcc() -> str:
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME
+    except ImportError:
+        CUDA_HOME = None
+    if CUDA_HOME and os.path.isfile(os.path.join(CUDA_HOME, "bin", "nvcc")):
+        return os.path.join(CUDA_HOME, "bin", "nvcc")
+    found = shutil.which("nvcc")
+    if not found:
+        raise RuntimeError("fused_preact: nvcc not found (set CUDA_HOME or put it on PATH)")
+    return found
+
+
+def compile_sm90_objects(build_dir: str, archs: list[str] | None = None, jobs: int | None = None,
+                         verbose: bool = False) -> list[str]:
+    """Compile the sm90 sources to position-independent objects under ``build_dir`` (skipping those
+    newer than their source, every csrc header and this file) and return their paths, for linking
+    into the extension next to torch's build of the common sources. The sm90 sources include no
+    torch header, so only CUTLASS's and CUDA's include directories are needed.
+
+    Raises:
+        RuntimeError: nvcc is missing or a compile fails (its output is in the message).
+    """
+    os.makedirs(build_dir, exist_ok=True)
+    flags = nvcc_flags_sm90(archs)
+    includes = [f"-I{d}" for d in include_dirs()]
+    deps_mtime = max(os.path.getmtime(p) for p in headers() + [os.path.abspath(__file__)])
+    nvcc = _nvcc()
+
+    def one(src: str) -> str:
+        obj = os.path.join(build_dir, os.path.basename(src) + ".o")
+        stamp = obj + ".flags"
+        command = [nvcc, *flags, *includes, "-Xcompiler", "-fPIC", "-c", src, "-o", obj]
+        fresh = (
+            os.path.isfile(obj)
+            and os.path.getmtime(obj) >= max(os.path.getmtime(src), deps_mtime)
+            and os.path.isfile(stamp)
+            and open(stamp).read() == " ".join(command)
+        )
+        if not fresh:
+            if verbose:
+                print(" ".join(command), flush=True)
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"fused_preact: compiling {src} failed:\n{done.stdout}{done.stderr}")
+            with open(stamp, "w") as f:
+                f.write(" ".join(command))
+        return obj
+
+    with ThreadPoolExecutor(max_workers=jobs or max_jobs()) as pool:
+        return list(pool.map(one, sm90_sources()))
+
+
 def max_jobs() -> int:
     """Parallel compile jobs: MAX_JOBS if set, else min(cores, available memory / GIB_PER_JOB), at least 1."""
     if os.environ.get("MAX_JOBS"):
@@ -143,6 +255,7 @@ def max_jobs() -> int:
 def _main(argv: list[str]) -> int:
     commands = {
         "nvcc-flags": nvcc_flags,
+        "nvcc-flags-sm90": nvcc_flags_sm90,
         "cxx-flags": cxx_flags,
         "include-dirs": include_dirs,
         "sources": sources,

@@ -1,8 +1,9 @@
 // Shared CUTLASS configuration for the implicit-GEMM convolutions (conv_fprop.cu, conv_dgrad.cu,
-// conv_wgrad.cu): element types, tile shapes, problem-size and tensor-reference construction, and a
-// checked initialize + run on the caller's stream. Torch-free; see launchers.h for the interface.
+// conv_wgrad.cu): element types, tile shapes, problem-size and tensor-reference construction
+// (the checked initialize + run is cutlass_run.cuh's). Torch-free; see launchers.h for the interface.
 #pragma once
 
+#include "cutlass_run.cuh"
 #include "launchers.h"
 
 // The bfloat16 transforms must be visible before any fused kernel is instantiated.
@@ -68,27 +69,7 @@ cutlass::TensorRef<T, RowMajor> vector_ref(void const *ptr, int c) {
   return cutlass::TensorRef<T, RowMajor>(static_cast<T *>(const_cast<void *>(ptr)), RowMajor(c));
 }
 
-// can_implement, initialize (sets the dynamic shared memory limit, clears the split-K semaphores)
-// and launch. Returns nullptr on success or a static description of the failure.
-template <typename Operation>
-char const *initialize_and_run(typename Operation::Arguments const &args, void *workspace,
-                               cudaStream_t stream) {
-  cutlass::Status status = Operation::can_implement(args);
-  if (status != cutlass::Status::kSuccess) {
-    return cutlass::cutlassGetStatusString(status);
-  }
-  Operation op;
-  status = op.initialize(args, workspace, stream);
-  if (status != cutlass::Status::kSuccess) {
-    return cutlass::cutlassGetStatusString(status);
-  }
-  status = op.run(stream);
-  if (status != cutlass::Status::kSuccess) {
-    cudaError_t const error = cudaGetLastError();
-    return error != cudaSuccess ? cudaGetErrorString(error) : cutlass::cutlassGetStatusString(status);
-  }
-  return nullptr;
-}
+using fused_preact::initialize_and_run;
 
 }  // namespace conv_config
 }  // namespace fused_preact

@@ -11,10 +11,11 @@
 namespace fused_preact {
 namespace {
 
-// "archs=800,900;cutlass=4.2.0;dtypes=float16,bfloat16": what this build of the extension serves.
+// "archs=800,900;cutlass=4.2.0;dtypes=float16,bfloat16;sm90a=1": what this build of the extension
+// serves (sm90a: the CUTLASS 3.x kernels of csrc/sm90_*.cu were built for sm_90a).
 std::string cuda_build_info() {
   return std::string("archs=") + compiled_arch_list() + ";cutlass=" + cutlass_version() +
-         ";dtypes=float16,bfloat16";
+         ";dtypes=float16,bfloat16;sm90a=" + (sm90_kernels_built() ? "1" : "0");
 }
 
 }  // namespace
@@ -28,8 +29,8 @@ TORCH_LIBRARY_FRAGMENT(fused_preact, m) {
   m.def(
       "cuda_fprop(Tensor x, Tensor weight, Tensor? bias, Tensor scale, Tensor shift, int[2] stride, "
       "int[2] padding, int[2] dilation) -> Tensor");
-  // da = dgrad(grad_out, weight); dz = da*[x*scale + shift > 0]; (Σdz, Σdz·x̂) per channel.
-  // Returns dz (fp32) when batch_stats, else dx = scale*dz in x's dtype.
+  // da = dgrad(grad_out, weight); dz = (x*scale + shift <= 0 ? 0 : da); (Σdz, Σdz·x̂) per channel.
+  // Returns dz when batch_stats, else dx = scale*dz; both in x's dtype.
   m.def(
       "cuda_dgrad_stats(Tensor grad_out, Tensor x, Tensor weight, Tensor scale, Tensor shift, Tensor mean, "
       "Tensor invstd, int[2] stride, int[2] padding, int[2] dilation, bool batch_stats) "

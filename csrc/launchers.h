@@ -46,6 +46,39 @@ const char* launch_wgrad_fused(DType dtype, const ConvGeometry& g, const void* d
                                const void* scale, const void* shift, float* dw, int split_k,
                                void* workspace, cudaStream_t stream);
 
+// ------------------------------------------------------------- CUTLASS 3.x convolutions (sm_90a)
+// Built from the sm90_*.cu sources for sm_90a only; without a 9.0 target they are stubs that return
+// an error and sm90_kernels_built() is false. The op layer uses them on compute capability 9.0.
+bool sm90_kernels_built();
+
+// The sm90 launchers return exactly this pointer when CUTLASS's can_implement declines the problem
+// (nothing was launched); the op layer then runs the CUTLASS 2.x kernels instead.
+extern const char kSm90Unsupported[];
+
+// y = conv(relu(x*scale + shift), w) + bias + residual with fp32 scale/shift (C,); `bias` (K,) in
+// `dtype` and `residual` (N,P,Q,K) in `dtype` may be nullptr.
+const char* launch_fprop_fused_sm90(DType dtype, const ConvGeometry& g, const void* x, const void* w,
+                                    const void* bias, const void* residual, const float* scale,
+                                    const float* shift, void* y, cudaStream_t stream);
+
+// dgrad with the BN/ReLU backward in the epilogue (unit stride and dilation only): out (N,H,W,C) in
+// `dtype` = dz = (x*scale + shift <= 0 ? 0 : dgrad(dy, w)), or scale*dz when eval_dx; per-CTA partial
+// column sums of dz and dz*(x - mean)*invstd into partial_dz / partial_dzx, each a row-major fp32
+// (rows, ld) buffer with (rows, ld) from sm90_dgrad_partials_shape (columns >= C are padding).
+void sm90_dgrad_partials_shape(const ConvGeometry& g, int* rows, int* ld);
+const char* launch_dgrad_bn_sm90(DType dtype, const ConvGeometry& g, const void* dy, const void* w, const void* x,
+                                 const float* scale, const float* shift, const float* mean, const float* invstd,
+                                 bool eval_dx, void* out, float* partial_dz, float* partial_dzx, cudaStream_t stream);
+
+// dw(K,R,S,C) fp32 = wgrad(dy, relu(x*scale + shift)) with fp32 scale/shift, over `splits` slices of
+// the N*P*Q reduction (each CTA slice writes an fp32 partial into `workspace`, then the partials are
+// summed in slice order into dw). `workspace` holds sm90_wgrad_workspace_bytes(g, splits) bytes.
+int sm90_wgrad_splits(const ConvGeometry& g, int sm_count);
+size_t sm90_wgrad_workspace_bytes(const ConvGeometry& g, int splits);
+const char* launch_wgrad_fused_sm90(DType dtype, const ConvGeometry& g, const void* dy, const void* x,
+                                    const float* scale, const float* shift, float* dw, int splits, void* workspace,
+                                    cudaStream_t stream);
+
 // ------------------------------------------------------------------ statistics and BN backward
 // Rows are the M = N*H*W positions, columns the C channels of an (M, C) row-major view.
 // Number of row chunks of the deterministic two-level reductions; depends on M only.
@@ -55,16 +88,20 @@ int reduction_chunks(int64_t M);
 const char* launch_batch_stats(DType dtype, const void* x, int64_t M, int C, float* partials,
                                float* mean, float* var, cudaStream_t stream);
 
-// dz = da*[x*scale + shift > 0] with the fp32 scale/shift (the specified function's ReLU mask, as the
-// Triton backend evaluates it), Σdz and Σdz·x̂ per channel with x̂ = (x - mean)*invstd.
-// write_dx == false: dz (fp32) overwrites da in place.  write_dx == true (eval): dx = scale*dz is
-// written to `dx` in `dtype` and da is left unchanged. `partials` holds 2*chunks*C floats.
-const char* launch_dgrad_reduce(DType dtype, float* da, const void* x, const float* scale, const float* shift,
+// dz = (x*scale + shift <= 0 ? 0 : da) with the fp32 scale/shift (eager's ReLU backward,
+// threshold_backward on relu(z): a NaN z passes da), Σdz and Σdz·x̂ per channel with
+// x̂ = (x - mean)*invstd. Writes `out` in `dtype`: dz, or dx = scale*dz when write_dx (eval); da is
+// read only. `partials` holds 2*chunks*C floats.
+const char* launch_dgrad_reduce(DType dtype, const float* da, const void* x, const float* scale, const float* shift,
                                 const float* mean, const float* invstd, int64_t M, int C, bool write_dx,
-                                void* dx, float* partials, float* sum_dz, float* sum_dzx, cudaStream_t stream);
+                                void* out, float* partials, float* sum_dz, float* sum_dzx, cudaStream_t stream);
 
-// dx = scale*(dz - Σdz/M - x̂·Σdz·x̂/M) in `dtype`.
-const char* launch_bn_dx(DType dtype, const float* dz, const void* x, const float* scale,
+// sum_a[c] = Σ_r partial_a[r*ld + c], sum_b likewise, for c < C, summed in row order in double.
+const char* launch_sum_partials(const float* partial_a, const float* partial_b, int rows, int ld, int C,
+                                float* sum_a, float* sum_b, cudaStream_t stream);
+
+// dx = scale*(dz - Σdz/M - x̂·Σdz·x̂/M) in `dtype`; dz is `dz_dtype` (x's dtype or float32).
+const char* launch_bn_dx(DType dtype, DType dz_dtype, const void* dz, const void* x, const float* scale,
                          const float* mean, const float* invstd, const float* sum_dz,
                          const float* sum_dzx, int64_t M, int C, void* dx, cudaStream_t stream);
 

@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <tuple>
 
@@ -45,6 +47,22 @@ int device_attribute(cudaDeviceAttr attr, int device) {
   int value = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device));
   return value;
+}
+
+// The CUTLASS 3.x kernels (sm90_*.cu) serve compute capability 9.0 when they were built; the CUTLASS
+// 2.x kernels serve everything else, and 9.0 where an sm90 kernel declines the problem (returns
+// kSm90Unsupported). FUSED_PREACT_CUDA_SM90=0 forces the CUTLASS 2.x kernels (for comparisons).
+bool use_sm90(at::Tensor const &t) {
+  static bool const disabled = [] {
+    char const *v = std::getenv("FUSED_PREACT_CUDA_SM90");
+    return v != nullptr && std::strcmp(v, "0") == 0;
+  }();
+  if (disabled || !sm90_kernels_built()) {
+    return false;
+  }
+  int const major = device_attribute(cudaDevAttrComputeCapabilityMajor, t.get_device());
+  int const minor = device_attribute(cudaDevAttrComputeCapabilityMinor, t.get_device());
+  return major == 9 && minor == 0;
 }
 
 void check_sm80(at::Tensor const &t, char const *op) {
@@ -208,12 +226,22 @@ at::Tensor cuda_fprop(at::Tensor const &x, at::Tensor const &weight, std::option
   if (y.numel() == 0) {
     return y;
   }
-  // CUTLASS's mainloop transform multiplies in the operand dtype.
+  void const *bias_ptr = bias.has_value() ? bias->data_ptr() : nullptr;
+  if (use_sm90(x)) {
+    // fp32 scale/shift, transform in fp32 (sm90_fprop_mainloop.cuh).
+    char const *error = launch_fprop_fused_sm90(to_dtype(x.scalar_type()), g, x.data_ptr(), weight.data_ptr(),
+                                                bias_ptr, nullptr, scale.data_ptr<float>(), shift.data_ptr<float>(),
+                                                y.data_ptr(), current_stream(x));
+    if (error != kSm90Unsupported) {
+      check_launch(error, op, &g);
+      return y;
+    }
+  }
+  // CUTLASS 2.x's mainloop transform multiplies in the operand dtype.
   at::Tensor const scale_op = scale.to(x.scalar_type());
   at::Tensor const shift_op = shift.to(x.scalar_type());
-  check_launch(launch_fprop_fused(to_dtype(x.scalar_type()), g, x.data_ptr(), weight.data_ptr(),
-                                  bias.has_value() ? bias->data_ptr() : nullptr, scale_op.data_ptr(),
-                                  shift_op.data_ptr(), y.data_ptr(), current_stream(x)),
+  check_launch(launch_fprop_fused(to_dtype(x.scalar_type()), g, x.data_ptr(), weight.data_ptr(), bias_ptr,
+                                  scale_op.data_ptr(), shift_op.data_ptr(), y.data_ptr(), current_stream(x)),
                op, &g);
   return y;
 }
@@ -245,25 +273,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_dgrad_stats(
   c10::cuda::CUDAGuard guard(x.device());
   auto const f32 = x.options().dtype(at::kFloat);
   int64_t const M = int64_t(g.N) * g.H * g.W;
-  TORCH_CHECK(M * g.C * 4 < kMaxTensorBytes, op, ": the fp32 dgrad output would exceed 2^31 bytes");
-  at::Tensor da = empty_nhwc({g.N, g.C, g.H, g.W}, f32);
+  // dz (training) or dx = scale*dz (eval), in x's dtype on both paths.
+  at::Tensor out = empty_nhwc({g.N, g.C, g.H, g.W}, x.options());
   at::Tensor sum_dz = at::zeros({g.C}, f32);
   at::Tensor sum_dzx = at::zeros({g.C}, f32);
   if (M == 0) {
-    return {batch_stats ? da : empty_nhwc({g.N, g.C, g.H, g.W}, x.options()), sum_dz, sum_dzx};
+    return {out, sum_dz, sum_dzx};
   }
   cudaStream_t const stream = current_stream(x);
   DType const dtype = to_dtype(x.scalar_type());
+  bool const unit = g.stride_h == 1 && g.stride_w == 1 && g.dilation_h == 1 && g.dilation_w == 1;
+  if (unit && use_sm90(x)) {
+    // Mask, dz and the per-channel sums in the dgrad epilogue; no fp32 da (sm90_conv_dgrad.cu).
+    int rows = 0, ld = 0;
+    sm90_dgrad_partials_shape(g, &rows, &ld);
+    at::Tensor partials = at::empty({2, int64_t(rows), int64_t(ld)}, f32);
+    char const *error = launch_dgrad_bn_sm90(
+        dtype, g, grad_out.data_ptr(), weight.data_ptr(), x.data_ptr(), scale.data_ptr<float>(),
+        shift.data_ptr<float>(), mean.data_ptr<float>(), invstd.data_ptr<float>(), !batch_stats, out.data_ptr(),
+        partials.data_ptr<float>(), partials.data_ptr<float>() + int64_t(rows) * ld, stream);
+    if (error != kSm90Unsupported) {
+      check_launch(error, op, &g);
+      check_launch(launch_sum_partials(partials.data_ptr<float>(), partials.data_ptr<float>() + int64_t(rows) * ld,
+                                       rows, ld, g.C, sum_dz.data_ptr<float>(), sum_dzx.data_ptr<float>(), stream),
+                   op);
+      return {out, sum_dz, sum_dzx};
+    }
+  }
+  TORCH_CHECK(M * g.C * 4 < kMaxTensorBytes, op, ": the fp32 dgrad output would exceed 2^31 bytes");
+  at::Tensor da = empty_nhwc({g.N, g.C, g.H, g.W}, f32);
   check_launch(launch_dgrad(dtype, g, grad_out.data_ptr(), weight.data_ptr(), da.data_ptr<float>(), stream), op,
                &g);
   at::Tensor partials = at::empty({2 * int64_t(reduction_chunks(M)) * g.C}, f32);
-  at::Tensor out = batch_stats ? da : empty_nhwc({g.N, g.C, g.H, g.W}, x.options());
   // The ReLU mask uses the fp32 scale/shift (see launchers.h), not the 16-bit copies of the fprop.
   check_launch(launch_dgrad_reduce(dtype, da.data_ptr<float>(), x.data_ptr(), scale.data_ptr<float>(),
                                    shift.data_ptr<float>(), mean.data_ptr<float>(), invstd.data_ptr<float>(), M,
-                                   g.C, !batch_stats, out.data_ptr(),
-                                   partials.data_ptr<float>(), sum_dz.data_ptr<float>(), sum_dzx.data_ptr<float>(),
-                                   stream),
+                                   g.C, !batch_stats, out.data_ptr(), partials.data_ptr<float>(),
+                                   sum_dz.data_ptr<float>(), sum_dzx.data_ptr<float>(), stream),
                op);
   return {out, sum_dz, sum_dzx};
 }
@@ -273,7 +319,8 @@ at::Tensor cuda_dx(at::Tensor const &dz, at::Tensor const &x, at::Tensor const &
   constexpr char const *op = "fused_preact::cuda_dx";
   check_activation(x, "x", op);
   check_activation(dz, "dz", op);
-  TORCH_CHECK(dz.scalar_type() == at::kFloat, op, ": dz must be float32, got ", dz.scalar_type());
+  TORCH_CHECK(dz.scalar_type() == x.scalar_type() || dz.scalar_type() == at::kFloat, op, ": dz must be float32 or ",
+              x.scalar_type(), " (x's dtype), got ", dz.scalar_type());
   TORCH_CHECK(dz.sizes() == x.sizes(), op, ": dz has shape ", dz.sizes(), " but x has ", x.sizes());
   TORCH_CHECK(dz.device() == x.device(), op, ": dz is on ", dz.device(), " but x is on ", x.device());
   int64_t const C = x.size(1);
@@ -288,7 +335,8 @@ at::Tensor cuda_dx(at::Tensor const &dz, at::Tensor const &x, at::Tensor const &
   if (dx.numel() == 0) {
     return dx;
   }
-  check_launch(launch_bn_dx(to_dtype(x.scalar_type()), dz.data_ptr<float>(), x.data_ptr(), scale.data_ptr<float>(),
+  check_launch(launch_bn_dx(to_dtype(x.scalar_type()), to_dtype(dz.scalar_type()), dz.data_ptr(), x.data_ptr(),
+                            scale.data_ptr<float>(),
                             mean.data_ptr<float>(), invstd.data_ptr<float>(), sum_dz.data_ptr<float>(),
                             sum_dzx.data_ptr<float>(), M, int(C), dx.data_ptr(), current_stream(x)),
                op);
@@ -325,6 +373,23 @@ at::Tensor cuda_wgrad(at::Tensor const &grad_out, at::Tensor const &x, at::Tenso
     return at::zeros({g.K, g.C, g.R, g.S}, f32.memory_format(at::MemoryFormat::ChannelsLast));
   }
   at::Tensor dw = empty_nhwc({g.K, g.C, g.R, g.S}, f32);
+  if (use_sm90(x)) {
+    // fp32 scale/shift, transform of the x tile in smem (sm90_conv_wgrad.cu).
+    int const splits = sm90_wgrad_splits(g, device_attribute(cudaDevAttrMultiProcessorCount, x.get_device()));
+    size_t const bytes = sm90_wgrad_workspace_bytes(g, splits);
+    at::Tensor workspace;
+    if (bytes > 0) {
+      workspace = at::empty({int64_t(bytes / sizeof(float))}, f32);
+    }
+    char const *error = launch_wgrad_fused_sm90(to_dtype(x.scalar_type()), g, grad_out.data_ptr(), x.data_ptr(),
+                                                scale.data_ptr<float>(), shift.data_ptr<float>(),
+                                                dw.data_ptr<float>(), splits,
+                                                bytes > 0 ? workspace.data_ptr() : nullptr, current_stream(x));
+    if (error != kSm90Unsupported) {
+      check_launch(error, op, &g);
+      return dw;
+    }
+  }
   int const split_k = wgrad_split_k(g, x.get_device());
   size_t const workspace_bytes = wgrad_workspace_bytes(g, split_k);
   at::Tensor workspace;

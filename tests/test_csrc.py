@@ -124,7 +124,8 @@ def test_build_config_archs_and_gencode(monkeypatch):
     cfg = _build_config()
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
     monkeypatch.delenv("FUSED_PREACT_CUDA_ARCHS", raising=False)
-    assert cfg.cuda_archs() == ["80", "90"]
+    assert cfg.cuda_archs() == ["80", "90a"]
+    assert cfg.gencode_flags() == ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a"]
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.5;8.6+PTX")
     assert cfg.cuda_archs() == ["86+PTX"]
     assert cfg.gencode_flags() == ["-gencode=arch=compute_86,code=sm_86", "-gencode=arch=compute_86,code=compute_86"]
@@ -136,6 +137,26 @@ def test_build_config_archs_and_gencode(monkeypatch):
     monkeypatch.setenv("FUSED_PREACT_CUDA_ARCHS", "7.0")
     with pytest.raises(ValueError, match="no CUDA architecture >= 8.0"):
         cfg.cuda_archs()
+
+
+def test_build_config_sm90_sources_get_sm90a_alone(monkeypatch):
+    """csrc/sm90_*.cu are compiled for sm_90a only (with FUSED_PREACT_SM90 and NDEBUG) whenever a 9.x
+    architecture is listed, and as stubs (the common flags, no define) otherwise."""
+    cfg = _build_config()
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    names = {os.path.basename(s) for s in cfg.sm90_sources()}
+    assert {"sm90_conv_fprop.cu", "sm90_conv_dgrad.cu", "sm90_conv_wgrad.cu"} <= names
+    assert not names & {os.path.basename(s) for s in cfg.common_sources()}
+    assert sorted(cfg.sm90_sources() + cfg.common_sources()) == cfg.sources()
+    for spec in ("8.0;9.0", "8.0;9.0a", "9.0"):
+        monkeypatch.setenv("FUSED_PREACT_CUDA_ARCHS", spec)
+        flags = cfg.nvcc_flags_sm90()
+        assert [f for f in flags if f.startswith("-gencode")] == ["-gencode=arch=compute_90a,code=sm_90a"], spec
+        assert "-DFUSED_PREACT_SM90" in flags and "-DNDEBUG" in flags
+    monkeypatch.setenv("FUSED_PREACT_CUDA_ARCHS", "8.0;8.6")
+    assert cfg.sm90_archs() == []
+    assert cfg.nvcc_flags_sm90() == cfg.nvcc_flags()
+    assert "-DFUSED_PREACT_SM90" not in cfg.nvcc_flags()
 
 
 def test_build_config_jobs_and_sources(monkeypatch):
@@ -154,6 +175,32 @@ def test_build_config_missing_cutlass_says_how_to_install(monkeypatch, tmp_path)
     monkeypatch.setitem(sys.modules, "cutlass_library", None)  # makes `import cutlass_library` fail
     with pytest.raises(RuntimeError, match="pip install"):
         cfg.cutlass_include_dir()
+
+
+def test_sm90_thread_mappings_and_padding_arithmetic_on_the_host(tmp_path):
+    """csrc/checks/sm90_layout_checks.cu, compiled with nvcc and run on the CPU (no GPU needed): the
+    register/smem fragments the sm90 transforms work on cover their tiles exactly once with the
+    channel pairing the code assumes, the k-tile walk follows CUTLASS's (C, S, R) order, and the
+    padding test agrees with the definition of the convolution (strides, dilation, padding)."""
+    import shutil
+
+    cfg = _build_config()
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("needs nvcc")
+    try:
+        includes = [f"-I{d}" for d in cfg.include_dirs()]
+    except RuntimeError as exc:
+        pytest.skip(f"needs the CUTLASS headers: {exc}")
+    exe = tmp_path / "sm90_layout_checks"
+    src = os.path.join(ROOT, "csrc", "checks", "sm90_layout_checks.cu")
+    build = subprocess.run(
+        [nvcc, "-std=c++20", "--expt-relaxed-constexpr", "-O1", *includes, src, "-o", str(exe)],
+        capture_output=True, text=True,
+    )
+    assert build.returncode == 0, build.stdout + build.stderr
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0 and "all passed" in run.stdout, run.stdout + run.stderr
 
 
 # ------------------------------------------------------------------------------------ GPU tests
@@ -184,10 +231,11 @@ SHAPES = [
 ]
 
 
-def _problem(shape, dtype, channels_last, seed=0):
+def _problem(shape, dtype, channels_last, seed=0, x_std=2.0):
     N, C, H, W, K, R, S, st, pd, dl = shape
     g = torch.Generator().manual_seed(seed)
-    x = randn(N, C, H, W, dtype=dtype, device="cuda", mean=0.5, std=2.0, channels_last=channels_last, generator=g)
+    x = randn(N, C, H, W, dtype=dtype, device="cuda", mean=0.5 * x_std / 2.0, std=x_std,
+              channels_last=channels_last, generator=g)
     w = randn(K, C, R, S, dtype=dtype, device="cuda", std=(C * R * S) ** -0.5, generator=g)
     b = randn(K, dtype=dtype, device="cuda", generator=g)
     gamma = randn(C, device="cuda", mean=1.0, std=0.3, generator=g)
@@ -210,14 +258,18 @@ def _reference(x, w, b, gamma, beta, rm, rv, training, conv, eps=1e-5):
     return y, (xd, wd, bd, gd, betad)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("training", [True, False])
-@pytest.mark.parametrize("channels_last", [True, False])
-def test_fprop_backward_match_float64(dtype, shape, training, channels_last):
-    cu = _require_gpu_backend()
-    x, w, b, gamma, beta, rm, rv, conv = _problem(shape, dtype, channels_last)
+def _check_against_float64(cu, shape, dtype, training, channels_last=True, seed=0, beta_value=None, bias=True,
+                           gamma_value=None, x_std=2.0, dy_scale=1.0):
+    """fprop + backward of the CUDA backend against the float64 reference: y, dx, dw, db, dγ, dβ."""
+    x, w, b, gamma, beta, rm, rv, conv = _problem(shape, dtype, channels_last, seed=seed, x_std=x_std)
+    if beta_value is not None:
+        beta = torch.full_like(beta, beta_value)
+    if gamma_value is not None:
+        gamma = torch.full_like(gamma, gamma_value)
+        rm = torch.zeros_like(rm)
+        rv = torch.full_like(rv, x_std**2)
+    if not bias:
+        b = torch.zeros_like(b)
     st, pd, dl = conv
     assert cu.not_supported_reasons(x, w, st, pd, dl, 1) == []
     eps = 1e-5
@@ -226,48 +278,127 @@ def test_fprop_backward_match_float64(dtype, shape, training, channels_last):
     else:
         mean, var = rm.float(), rv.float()
     invstd = torch.rsqrt(var + eps)
-    y = cu.fprop(x, w, b, mean, invstd, gamma, beta, st, pd, dl, 1)
+    y = cu.fprop(x, w, b if bias else None, mean, invstd, gamma, beta, st, pd, dl, 1)
     y_ref, leaves = _reference(x, w, b, gamma, beta, rm, rv, training, conv, eps)
     assert y.dtype == x.dtype and y.shape == y_ref.shape
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     assert y.is_contiguous(memory_format=fmt)
     assert_close(y, y_ref, dtype, "y")
 
-    dy = randn(*y.shape, dtype=dtype, device="cuda", generator=torch.Generator().manual_seed(1))
+    dy = randn(*y.shape, dtype=dtype, device="cuda", std=dy_scale, generator=torch.Generator().manual_seed(seed + 1))
     y_ref.backward(dy.double())
-    dx, dw, db, dgamma, dbeta = cu.backward(dy, x, w, mean, invstd, gamma, beta, st, pd, dl, 1, training, True)
+    dx, dw, db, dgamma, dbeta = cu.backward(dy, x, w, mean, invstd, gamma, beta, st, pd, dl, 1, training, bias)
     xd, wd, bd, gd, betad = leaves
     assert dx.dtype == x.dtype and dw.dtype == w.dtype and dgamma.dtype == torch.float32
     assert dx.is_contiguous(memory_format=fmt)
     assert_close(dx, xd.grad, dtype, "dx")
     assert_close(dw, wd.grad, dtype, "dw")
-    assert_close(db, bd.grad, dtype, "db")
+    if bias:
+        assert_close(db, bd.grad, dtype, "db")
+    else:
+        assert db.numel() == 0
     assert_close(dgamma, gd.grad, dtype, "dgamma")
     assert_close(dbeta, betad.grad, dtype, "dbeta")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(2, 16, 9, 9, 16, 3, 3, 1, 1, 1), (2, 16, 9, 9, 16, 3, 3, 2, 2, 1)])
-def test_padding_is_a_zero_activation_not_relu_shift(dtype, shape):
-    """β = +2 makes relu(shift) ≈ 2 on every channel: CUTLASS's out-of-bounds sentinel must zero the padded
-    activations after the transform in fprop (operand A) and wgrad (operand B), also in the bf16 transform."""
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_fprop_backward_match_float64(dtype, shape, training, channels_last):
+    _check_against_float64(_require_gpu_backend(), shape, dtype, training, channels_last)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 16, 9, 9, 16, 3, 3, 1, 1, 1), (2, 16, 9, 9, 16, 3, 3, 2, 2, 1),
+                                   (2, 24, 11, 13, 40, 5, 5, 1, 2, 1)])
+@pytest.mark.parametrize("beta_value", [2.0, 60.0])
+def test_padding_is_a_zero_activation_not_relu_shift(dtype, shape, beta_value):
+    """A large β makes relu(shift) large on every channel: padded taps must be zeros of the activation
+    after the transform — fprop (operand A), wgrad (operand B) and the dgrad mask; CUTLASS 2.x marks them
+    with its out-of-bounds sentinel, the sm90 kernels decide from coordinates."""
+    _check_against_float64(_require_gpu_backend(), shape, dtype, True, seed=3, beta_value=beta_value, bias=False)
+
+
+# Shapes for the tiled sm90 kernels (128-row tiles, 64/128-channel tiles, k-tiles over (C, S, R)):
+# several M tiles with a residue, channel counts that are odd multiples of 8 (partial channel blocks,
+# N residues), C and K of 8, strides (fprop/wgrad on sm90, dgrad falls back), dilation, 1x1 and 5x5, and
+# one large enough for split-K in wgrad. (N, C, H, W, K, R, S, stride, padding, dilation)
+SM90_SHAPES = [
+    (2, 72, 17, 19, 40, 3, 3, 1, 1, 1),
+    (4, 136, 9, 9, 24, 3, 3, 2, 1, 1),
+    (2, 64, 14, 14, 256, 1, 1, 1, 0, 1),
+    (1, 8, 33, 35, 8, 5, 5, 1, 2, 1),
+    (2, 40, 16, 16, 24, 3, 3, 1, 2, 2),
+    (3, 24, 15, 15, 200, 3, 3, 2, 1, 1),
+    (16, 64, 28, 28, 64, 3, 3, 1, 1, 1),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", SM90_SHAPES)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_tiled_shapes_match_float64(dtype, shape, training):
+    """On compute capability 9.0 these run the CUTLASS 3.x kernels (csrc/sm90_*.cu), elsewhere the 2.x ones."""
+    _check_against_float64(_require_gpu_backend(), shape, dtype, training)
+
+
+def _require_sm90(cu):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs compute capability 9.0 (the sm_90a kernels)")
+    if not cu.build_info().get("sm90a"):
+        message = "fused_preact._C was built without the sm_90a kernels"
+        if os.environ.get("FUSED_PREACT_REQUIRE_CUDA_EXT") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_sm90_fp16_scale_beyond_fp16_range(training):
+    """γ = 300 with std(x) = 1e-3 gives scale = γ·invstd ≈ 9e4 > 65504: CUTLASS 2.x's transform rounds scale
+    to fp16 (inf); the sm90 kernels keep scale/shift in fp32 and match float64. (x·scale stays in fp16's
+    range, and a small dy keeps dx = scale·dz in it too.)"""
     cu = _require_gpu_backend()
-    x, w, b, gamma, beta, rm, rv, conv = _problem(shape, dtype, True, seed=3)
-    beta = torch.full_like(beta, 2.0)
-    st, pd, dl = conv
+    _require_sm90(cu)
+    _check_against_float64(cu, (2, 16, 9, 9, 16, 3, 3, 1, 1, 1), torch.float16, training, gamma_value=300.0,
+                           x_std=1e-3, dy_scale=1e-3)
+
+
+@pytest.mark.gpu
+def test_sm90_dispatch_runs_the_cutlass3_kernels():
+    """On 9.0 fprop, dgrad (unit stride) and wgrad run the sm90 kernels, seen by name in the profiler."""
+    cu = _require_gpu_backend()
+    _require_sm90(cu)
+    x, w, b, gamma, beta, rm, rv, (st, pd, dl) = _problem((2, 64, 14, 14, 64, 3, 3, 1, 1, 1), torch.bfloat16, True)
     mean, var = cu.batch_stats(x)
     invstd = torch.rsqrt(var + 1e-5)
-    y = cu.fprop(x, w, None, mean, invstd, gamma, beta, st, pd, dl, 1)
-    y_ref, (xd, wd, _, gd, betad) = _reference(x, w, torch.zeros_like(b), gamma, beta, rm, rv, True, conv)
-    assert_close(y, y_ref, dtype, "y")
-    dy = randn(*y.shape, dtype=dtype, device="cuda", channels_last=True, generator=torch.Generator().manual_seed(4))
-    y_ref.backward(dy.double())
-    dx, dw, db, dgamma, dbeta = cu.backward(dy, x, w, mean, invstd, gamma, beta, st, pd, dl, 1, True, False)
-    assert db.numel() == 0
-    assert_close(dw, wd.grad, dtype, "dw")
-    assert_close(dx, xd.grad, dtype, "dx")
-    assert_close(dbeta, betad.grad, dtype, "dbeta")
+    dy = randn(2, 64, 14, 14, dtype=torch.bfloat16, device="cuda", channels_last=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        cu.fprop(x, w, b, mean, invstd, gamma, beta, st, pd, dl, 1)
+        cu.backward(dy, x, w, mean, invstd, gamma, beta, st, pd, dl, 1, True, True)
+        torch.cuda.synchronize()
+    names = " ".join(e.name for e in prof.events())
+    assert "FpropBnReluMainloop" in names, names
+    assert "ReluBackward" in names, names  # the dgrad epilogue's visitor tree
+    assert "WgradKernel" in names, names
+    assert "ImplicitGemmConvolution" not in names, names  # no CUTLASS 2.x kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_dgrad_stats_returns_dz_in_the_input_dtype(training):
+    """cuda_dgrad_stats hands dz (training) or dx (eval) back in x's dtype on both kernel generations."""
+    cu = _require_gpu_backend()
+    x, w, b, gamma, beta, rm, rv, (st, pd, dl) = _problem((2, 16, 8, 8, 16, 3, 3, 1, 1, 1), torch.bfloat16, True)
+    v = torch.ones(16, device="cuda")
+    dy = randn(2, 16, 8, 8, dtype=torch.bfloat16, device="cuda", channels_last=True)
+    out, sum_dz, sum_dzx = torch.ops.fused_preact.cuda_dgrad_stats(dy, x, w, v, v * 0, v * 0, v, st, pd, dl, training)
+    assert out.dtype == torch.bfloat16 and out.is_contiguous(memory_format=torch.channels_last)
+    assert sum_dz.dtype == sum_dzx.dtype == torch.float32
 
 
 @pytest.mark.gpu
@@ -287,10 +418,11 @@ def test_batch_stats_match_float64_and_are_deterministic(dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_backward_is_deterministic(dtype):
     cu = _require_gpu_backend()
-    x, w, b, gamma, beta, rm, rv, (st, pd, dl) = _problem((8, 32, 16, 16, 64, 3, 3, 1, 1, 1), dtype, True)
+    # 32x56x56 positions: wgrad splits its N·P·Q reduction over several CTAs (split-K) on both generations.
+    x, w, b, gamma, beta, rm, rv, (st, pd, dl) = _problem((32, 32, 56, 56, 64, 3, 3, 1, 1, 1), dtype, True)
     mean, var = cu.batch_stats(x)
     invstd = torch.rsqrt(var + 1e-5)
-    dy = randn(8, 64, 16, 16, dtype=dtype, device="cuda", channels_last=True)
+    dy = randn(32, 64, 56, 56, dtype=dtype, device="cuda", channels_last=True)
     first = cu.backward(dy, x, w, mean, invstd, gamma, beta, st, pd, dl, 1, True, True)
     second = cu.backward(dy, x, w, mean, invstd, gamma, beta, st, pd, dl, 1, True, True)
     for a, b_ in zip(first, second):
@@ -303,6 +435,64 @@ def test_reports_build_info_and_device_support():
     info = cu.build_info()
     assert info["archs"] and all(a >= 80 for a in info["archs"])
     assert info["dtypes"] == ["float16", "bfloat16"]
+    assert isinstance(info["sm90a"], bool)
     x = torch.empty(2, 16, 8, 8, dtype=torch.float16, device="cuda")
     w = torch.empty(16, 16, 3, 3, dtype=torch.float16, device="cuda")
     assert cu.not_supported_reasons(x, w, 1, 1, 1, 1) == []
+
+
+# ------------------------------------------------------------------------- NaN / Inf semantics
+def _special_pattern(t: torch.Tensor) -> dict[str, torch.Tensor]:
+    t = t.detach().double().cpu()
+    return {"nan": torch.isnan(t), "+inf": torch.isposinf(t), "-inf": torch.isneginf(t)}
+
+
+def _assert_same_special_pattern(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """Exactly the same NaN, +inf and -inf positions as the reference (finite values are not compared)."""
+    g, r = _special_pattern(got), _special_pattern(ref)
+    assert got.shape == ref.shape, (what, got.shape, ref.shape)
+    for kind in g:
+        differ = (g[kind] != r[kind]).sum().item()
+        assert differ == 0, (
+            f"{what}: {kind} at {g[kind].sum().item()} positions, eager at {r[kind].sum().item()} "
+            f"({differ} differ)"
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("special", [float("nan"), float("inf"), float("-inf")], ids=["nan", "+inf", "-inf"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_nan_and_inf_follow_eager(dtype, special, training):
+    """One NaN / +inf / -inf in x: output, all gradients and the batch statistics have exactly eager's
+    NaN/Inf pattern (issue 10, item A). Eager: relu(NaN) = NaN, relu(+inf) = inf, relu(-inf) = 0, and
+    ReLU's backward passes the gradient where relu(z) is NaN; in training the channel's mean is non-finite
+    and so is everything normalized with it. Padded taps stay zeros of the activation."""
+    cu = _require_gpu_backend()
+    shape = (2, 16, 6, 6, 16, 3, 3, 1, 1, 1)
+    x, w, b, gamma, beta, rm, rv, conv = _problem(shape, dtype, True, seed=7)
+    gamma[3] = 1.0  # a positive scale: -inf stays -inf before the ReLU in eval mode
+    x[0, 3, 2, 2] = special
+    st, pd, dl = conv
+    eps = 1e-5
+    if training:
+        mean, var = cu.batch_stats(x)
+        xd = x.double()
+        _assert_same_special_pattern(mean, xd.mean((0, 2, 3)), "batch mean")
+        _assert_same_special_pattern(var, xd.var((0, 2, 3), unbiased=False), "batch var")
+    else:
+        mean, var = rm.float(), rv.float()
+    invstd = torch.rsqrt(var + eps)
+    y = cu.fprop(x, w, b, mean, invstd, gamma, beta, st, pd, dl, 1)
+    y_ref, (xd, wd, bd, gd, betad) = _reference(x, w, b, gamma, beta, rm, rv, training, conv, eps)
+    _assert_same_special_pattern(y, y_ref, "y")
+    assert torch.isfinite(y_ref).sum() < y_ref.numel() or special == float("-inf")  # the test bites
+
+    dy = randn(*y.shape, dtype=dtype, device="cuda", channels_last=True, generator=torch.Generator().manual_seed(8))
+    y_ref.backward(dy.double())
+    dx, dw, db, dgamma, dbeta = cu.backward(dy, x, w, mean, invstd, gamma, beta, st, pd, dl, 1, training, True)
+    _assert_same_special_pattern(dx, xd.grad, "dx")
+    _assert_same_special_pattern(dw, wd.grad, "dw")
+    _assert_same_special_pattern(db, bd.grad, "db")
+    _assert_same_special_pattern(dgamma, gd.grad, "dgamma")
+    _assert_same_special_pattern(dbeta, betad.grad, "dbeta")

@@ -1,9 +1,15 @@
 """Python glue of the CUDA C++ backend (``fused_preact._C``, built from ``csrc/``).
 
-The extension holds CUTLASS mainloop-fused implicit-GEMM convolutions (fprop and wgrad apply
-``relu(x·scale + shift)`` to the activation operand in the mainloop; dgrad is CUTLASS's plain
-implicit GEMM) and plain CUDA kernels for the batch statistics, the BN-backward reduction after dgrad
-and the final dx pass. Its ops live in the ``fused_preact`` namespace with a ``cuda_`` prefix
+The extension holds CUTLASS mainloop-fused implicit-GEMM convolutions in two generations and plain
+CUDA kernels for the batch statistics and the BN backward:
+
+- compute capability 9.0 (when built for sm_90a, ``csrc/sm90_*.cu``): CUTLASS 3.x TMA + wgmma
+  kernels. fprop applies ``relu(x·scale + shift)`` in fp32 to the register-sourced activation operand;
+  wgrad applies it to the activation tile in shared memory; dgrad (unit stride/dilation) masks,
+  stores dz in x's dtype and reduces Σdz, Σdz·x̂ in its epilogue (no fp32 intermediate).
+- everything else (and 9.0 problems the sm90 kernels decline): CUTLASS 2.x multistage kernels
+  (fprop/wgrad with the transform in the operand dtype, plain dgrad into an fp32 buffer followed by a
+  masking/reduction kernel). Its ops live in the ``fused_preact`` namespace with a ``cuda_`` prefix
 (``torch.ops.fused_preact.cuda_fprop`` ...; schemas in ``csrc/fused_preact.cpp``).
 
 :func:`fprop` and :func:`backward` have exactly the signatures and semantics of the Triton backend's
@@ -17,13 +23,16 @@ CUDA tensor. The extension is a plain op library (no Python module init), loaded
 
 Limits of the CUDA backend (see :func:`not_supported_reasons`): float16/bfloat16 only, groups == 1,
 channels multiples of 8, compute capability ≥ 8.0 with a compiled kernel image, no stride > 1 together
-with dilation > 1, tensors under 2^31 bytes. The mainloop transform multiplies in the operand dtype,
-so for float16 ``γ·invstd`` and ``β − mean·γ·invstd`` must lie within float16's range (±65504);
-bfloat16 has no such limit. NCHW input is served through a channels_last copy.
+with dilation > 1, tensors under 2^31 bytes. The CUTLASS 2.x transform (every GPU but 9.0) multiplies
+in the operand dtype, so there for float16 ``γ·invstd`` and ``β − mean·γ·invstd`` must lie within
+float16's range (±65504); the sm90 kernels take them in float32. NCHW input is served through a
+channels_last copy. Environment: ``FUSED_PREACT_CUDA_SM90=0`` makes a 9.0 GPU use the CUTLASS 2.x
+kernels.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import threading
@@ -106,7 +115,8 @@ def build_info() -> dict[str, object]:
     """What the loaded extension was built for.
 
     Returns:
-        ``{"archs": [80, 90], "cutlass": "4.2.0", "dtypes": ["float16", "bfloat16"]}``.
+        ``{"archs": [80, 90], "cutlass": "4.2.0", "dtypes": ["float16", "bfloat16"], "sm90a": True}``;
+        ``sm90a`` says whether the CUTLASS 3.x sm_90a kernels were built (the 9.0 path).
 
     Raises:
         RuntimeError: the extension is not available (the message carries :func:`load_error`).
@@ -118,6 +128,7 @@ def build_info() -> dict[str, object]:
         info[key] = value
     info["archs"] = [int(a) // 10 for a in str(info.get("archs", "")).split(",") if a]
     info["dtypes"] = [d for d in str(info.get("dtypes", "")).split(",") if d]
+    info["sm90a"] = info.get("sm90a") == "1"
     return info
 
 
@@ -135,16 +146,26 @@ def jit_load(verbose: bool = False) -> None:
     global _loaded, _error
     from torch.utils.cpp_extension import load
 
+    from torch.utils.cpp_extension import _get_build_directory
+
     config = _build_config()
     if torch.version.cuda is None:
         raise RuntimeError(f"fused_preact: jit_load needs a CUDA-enabled torch, this is {torch.__version__}")
     os.environ.setdefault("MAX_JOBS", str(config.max_jobs()))
+    # The sm90 sources need their own flags (sm_90a only): compiled to objects here, linked by load().
+    sm90_objects = config.compile_sm90_objects(
+        os.path.join(_get_build_directory("fused_preact_C", verbose), "sm90"), verbose=verbose
+    )
+    # torch relinks only when its own inputs change: a digest of the objects in the host flags makes a
+    # rebuilt sm90 object change them (recompiling the one small .cpp and relinking).
+    digest = hashlib.sha1(b"".join(open(o, "rb").read() for o in sm90_objects)).hexdigest()[:16]
     load(
         name="fused_preact_C",
-        sources=config.sources(),
+        sources=config.common_sources(),
         extra_include_paths=config.include_dirs(),
-        extra_cflags=config.cxx_flags(),
+        extra_cflags=config.cxx_flags() + [f"-DFUSED_PREACT_SM90_OBJECTS={digest}"],
         extra_cuda_cflags=config.nvcc_flags(),
+        extra_ldflags=sm90_objects,
         is_python_module=False,
         verbose=verbose,
     )
@@ -377,7 +398,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("fused_preact::cuda_dgrad_stats")
     def _(grad_out, x, weight, scale, shift, mean, invstd, stride, padding, dilation, batch_stats):
-        out = x.new_empty(x.shape, dtype=torch.float32 if batch_stats else x.dtype).contiguous(memory_format=cl)
+        out = x.new_empty(x.shape).contiguous(memory_format=cl)
         C = x.shape[1]
         return out, x.new_empty(C, dtype=torch.float32), x.new_empty(C, dtype=torch.float32)
 
