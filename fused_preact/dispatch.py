@@ -43,7 +43,7 @@ def backends(devices: Optional[Sequence[str]] = None) -> dict[str, dict[str, obj
             "priority": PRIORITY.index(name) if name in PRIORITY else None,
             "dtypes": [str(d) for d in backend.dtypes],
             "min_compute_capability": backend.min_compute_capability,
-            "triton_mode": triton_mode() if name == "triton" else None,
+            "triton_mode": backend.runtime_mode(),
             "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
         }
         for dev in devices:

@@ -37,7 +37,7 @@ def tile_mean_m2(v, mask, rows, out_ptr, out_mask, C):
     tl.store(out_ptr + C, m2, mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("M", "H", "W"))
 def _stats_partial_kernel(
     x_ptr, sxn, sxh, sxw, sxc, part_ptr, M,
     H, W, C, IDX64: tl.constexpr,
@@ -63,7 +63,7 @@ def _stats_partial_kernel(
                  cmask, C)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_parts", "M", "rows_per_part"))
 def _finalize_kernel(
     part_ptr, num_parts, M, rows_per_part, unbias,
     pack_ptr, gamma_ptr, beta_ptr, rmean_ptr, rvar_ptr, nbt_ptr, momentum, eps,
@@ -152,10 +152,11 @@ def _finalize_kernel(
 
 @triton.jit
 def _splitk_sum(part_ptr, dw_ptr, swk, swc, swr, sws, blk,
-                K, CG, R: tl.constexpr, S: tl.constexpr, SPLIT: tl.constexpr,
+                K, CG, R: tl.constexpr, S: tl.constexpr, SPLIT,
                 BLOCK_E: tl.constexpr):
     """dw[k, c, r, s] = Σ_split part[split, k, c, r, s] (fixed order) for flat block ``blk`` of the
-    K·CG·R·S entries, stored in dw's dtype and strides."""
+    K·CG·R·S entries, stored in dw's dtype and strides. ``SPLIT`` is a runtime value: one compilation
+    serves every split count."""
     NUMEL = K * CG * R * S
     e = blk * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = e < NUMEL
@@ -169,7 +170,7 @@ def _splitk_sum(part_ptr, dw_ptr, swk, swc, swr, sws, blk,
     tl.store(dw_ptr + k * swk + c * swc + r * swr + s * sws, acc.to(dw_ptr.dtype.element_ty), mask=emask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("M", "NUM_DX", "NUM_RED", "H", "W", "SPLIT1", "SPLIT2"))
 def _dx_kernel(
     dz_ptr, x_ptr, sxn, sxh, sxw, sxc, pack_ptr, coef_ptr,
     res_ptr, srn, srh, srw, src,
@@ -178,8 +179,8 @@ def _dx_kernel(
     wpart_ptr, dw_ptr, swk, swc, swr, sws, NUM_RED,
     wpart2_ptr, dw2_ptr, sw2k, sw2c, sw2r, sw2s,
     H, W, C, HAS_RES: tl.constexpr, IDX64: tl.constexpr,
-    K1, CG1, R1: tl.constexpr, S1: tl.constexpr, SPLIT1: tl.constexpr,
-    K2, CG2, SPLIT2: tl.constexpr,
+    K1, CG1, R1: tl.constexpr, S1: tl.constexpr, SPLIT1, HAS_RED1: tl.constexpr,
+    K2, CG2, SPLIT2, HAS_RED2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """Training-mode BN backward, one elementwise pass, plus the weight gradients' split-K sums.
@@ -189,7 +190,8 @@ def _dx_kernel(
     x, dx and ``res`` (HAS_RES: the gradient reaching x through an identity shortcut, added here) go
     through their (n, h, w, c) strides. Grid rows: cdiv(M, BLOCK_M) × cdiv(C, BLOCK_C) programs.
     Programs ``[NUM_DX, NUM_DX + NUM_RED)``: :func:`_splitk_sum` of the conv's weight gradient
-    (SPLIT1 > 1); the following ones (SPLIT2 > 1) that of a 1×1 projection shortcut's (K2, CG2).
+    (HAS_RED1: SPLIT1 > 1 partials); the following ones (HAS_RED2) that of a 1×1 projection shortcut's
+    (K2, CG2).
     """
     pid = tl.program_id(0)
     if pid < NUM_DX:
@@ -200,7 +202,6 @@ def _dx_kernel(
         cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C
         mask = (rows < M)[:, None] & cmask[None, :]
-        pc = tl.where(cmask, cols, 0)
         wi = rows % W
         hi = (rows // W) % H
         nb = rows // (H * W)
@@ -212,11 +213,11 @@ def _dx_kernel(
         dz = tl.load(dz_ptr + rows_i[:, None] * C + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + (nb * sxn + hi * sxh + wi * sxw)[:, None] + cols[None, :] * sxc,
                     mask=mask, other=0.0).to(tl.float32)
-        mu = tl.load(pack_ptr + pc)
-        istd = tl.load(pack_ptr + 2 * C + pc)
-        sc = tl.load(pack_ptr + 3 * C + pc)
-        c1 = tl.load(coef_ptr + pc)
-        c2 = tl.load(coef_ptr + C + pc)
+        mu = tl.load(pack_ptr + cols, mask=cmask, other=0.0)
+        istd = tl.load(pack_ptr + 2 * C + cols, mask=cmask, other=0.0)
+        sc = tl.load(pack_ptr + 3 * C + cols, mask=cmask, other=0.0)
+        c1 = tl.load(coef_ptr + cols, mask=cmask, other=0.0)
+        c2 = tl.load(coef_ptr + C + cols, mask=cmask, other=0.0)
         dx = sc[None, :] * (dz - c1[None, :] - (x - mu[None, :]) * istd[None, :] * c2[None, :])
         if HAS_RES:
             dx += tl.load(res_ptr + (nb * srn + hi * srh + wi * srw)[:, None] + cols[None, :] * src,
@@ -225,10 +226,10 @@ def _dx_kernel(
                  dx.to(dx_ptr.dtype.element_ty), mask=mask)
     else:
         blk = pid - NUM_DX
-        if SPLIT1 > 1:
+        if HAS_RED1:
             if blk < NUM_RED:
                 _splitk_sum(wpart_ptr, dw_ptr, swk, swc, swr, sws, blk, K1, CG1, R1, S1, SPLIT1, BLOCK_E)
             blk -= NUM_RED
-        if SPLIT2 > 1:
+        if HAS_RED2:
             if blk >= 0:
                 _splitk_sum(wpart2_ptr, dw2_ptr, sw2k, sw2c, sw2r, sw2s, blk, K2, CG2, 1, 1, SPLIT2, BLOCK_E)

@@ -7,7 +7,9 @@ dilation) is ``tl.constexpr``, so tap arithmetic folds; sizes (channels, spatial
 runtime values, so one compiled kernel serves every layer of the same filter structure (a ResNet has
 four: 3×3 and 1×1, stride 1 and 2) instead of one compile per layer. Triton specializes a runtime int
 equal to 1 and 16-divisible ints and strides, which is what turns channels_last loads into 16-byte
-vector loads.
+vector loads; that matters for channel counts and strides only, so the spatial sizes and row counts
+(M, H, W, P, Q, …) are ``do_not_specialize``: a 56² and a 28² layer share one compilation (the
+split-K count is a runtime value too), which halves the compilations of a ResNet.
 
 Tensors (logical shapes; every activation is addressed through its (n, h, w, c) strides, so NCHW and
 channels_last inputs and expanded gradients are read in place):
@@ -40,17 +42,32 @@ def _relu_nan(z):
 
 
 @triton.jit
-def _preact_tile(x_ptr, rows, chans, mask, sxc, pack_ptr, pchan, C):
-    """Load x[rows, chans] (row offsets ``rows``, channel stride ``sxc``) and return
-    ``relu(x·scale + shift)`` in fp32, zero where ``mask`` is False (padding, tails)."""
-    xt = tl.load(x_ptr + rows[:, None] + chans[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
-    sc = tl.load(pack_ptr + 3 * C + pchan)
-    sh = tl.load(pack_ptr + 4 * C + pchan)
-    a = _relu_nan(xt * sc[None, :] + sh[None, :])
+def _scale_shift(pack_ptr, chans, cmask, C):
+    """The pack's scale and shift rows at channels ``chans`` (0 where ``cmask`` is False). Masked loads
+    of contiguous channels (not clamped indices), so the compiler can prove contiguity: vector loads."""
+    sc = tl.load(pack_ptr + 3 * C + chans, mask=cmask, other=0.0)
+    sh = tl.load(pack_ptr + 4 * C + chans, mask=cmask, other=0.0)
+    return sc, sh
+
+
+@triton.jit
+def _preact(xt, sc, sh, mask):
+    """``relu(x·scale + shift)`` of a loaded x tile in fp32, zero where ``mask`` is False (padding,
+    tails): the padded taps of the conv input are zeros of the pre-activation."""
+    a = _relu_nan(xt.to(tl.float32) * sc[None, :] + sh[None, :])
     return tl.where(mask, a, 0.0)
 
 
 @triton.jit
+def _preact_tile(x_ptr, rows, chans, mask, sxc, pack_ptr, cmask, C):
+    """Load x[rows, chans] (row offsets ``rows``, channel stride ``sxc``) and return
+    ``relu(x·scale + shift)`` in fp32, zero where ``mask`` is False (padding, tails)."""
+    xt = tl.load(x_ptr + rows[:, None] + chans[None, :] * sxc, mask=mask, other=0.0)
+    sc, sh = _scale_shift(pack_ptr, chans, cmask, C)
+    return _preact(xt, sc, sh, mask)
+
+
+@triton.jit(do_not_specialize=("M", "H", "W", "P", "Q", "H2", "W2"))
 def _fprop_kernel(
     x_ptr, sxn, sxh, sxw, sxc,
     w_ptr, swk, swc, swr, sws,
@@ -115,7 +132,7 @@ def _fprop_kernel(
         c_mask = offs_c < Cg
         c_in = g * Cg + offs_c
         a = _preact_tile(x_ptr, base + ih * sxh + iw * sxw, c_in, valid[:, None] & c_mask[None, :], sxc,
-                         pack_ptr, tl.where(c_mask, c_in, 0), C)
+                         pack_ptr, c_mask, C)
         wt = tl.load(w_ptr + k_out[None, :] * swk + offs_c[:, None] * swc + r * swr + s * sws,
                      mask=c_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a.to(DOT_DTYPE), wt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
@@ -126,7 +143,7 @@ def _fprop_kernel(
             offs_c = c0 + tl.arange(0, BLOCK_K2)
             c_mask = offs_c < C2
             a2 = _preact_tile(xin_ptr, row2, offs_c, m_mask[:, None] & c_mask[None, :], sin_c,
-                              pack2_ptr, tl.where(c_mask, offs_c, 0), C2)
+                              pack2_ptr, c_mask, C2)
             wt2 = tl.load(w2_ptr + k_out[None, :] * sw2k + offs_c[:, None] * sw2c,
                           mask=c_mask[:, None] & n_mask[None, :], other=0.0)
             acc = tl.dot(a2.to(DOT_DTYPE), wt2.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
@@ -144,7 +161,7 @@ def _fprop_kernel(
                      part_ptr + pid_m.to(tl.int64) * (2 * K) + k_out, n_mask, K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("M", "H", "W", "P", "Q", "P2", "Q2"))
 def _dgrad_kernel(
     dy_ptr, sdn, sdh, sdw, sdc,
     w_ptr, swk, swc, swr, sws,
@@ -279,13 +296,11 @@ def _dgrad_kernel(
                           mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             acc = tl.dot(dyt2.to(DOT_DTYPE), wt2.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
     tile_mask = m_mask[:, None] & n_mask[None, :]
-    pchan = tl.where(n_mask, c_in, 0)
     xrow = nb * sxn + hi * sxh + wi * sxw
     xt = tl.load(x_ptr + xrow[:, None] + c_in[None, :] * sxc, mask=tile_mask, other=0.0).to(tl.float32)
-    mu = tl.load(pack_ptr + pchan)
-    istd = tl.load(pack_ptr + 2 * C + pchan)
-    sc = tl.load(pack_ptr + 3 * C + pchan)
-    sh = tl.load(pack_ptr + 4 * C + pchan)
+    mu = tl.load(pack_ptr + c_in, mask=n_mask, other=0.0)
+    istd = tl.load(pack_ptr + 2 * C + c_in, mask=n_mask, other=0.0)
+    sc, sh = _scale_shift(pack_ptr, c_in, n_mask, C)
     z = xt * sc[None, :] + sh[None, :]
     dz = tl.where(tile_mask & ~(z <= 0.0), acc, 0.0)
     orow = nb * son + hi * soh + wi * sow
@@ -313,13 +328,14 @@ def _wgrad_tile(
     H, W, C, P, Q, K,
     GROUPS, R: tl.constexpr, S: tl.constexpr,
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
-    DIL_H: tl.constexpr, DIL_W: tl.constexpr, SPLIT: tl.constexpr,
+    DIL_H: tl.constexpr, DIL_W: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """One (k-block, c-block, tap, group, split) tile of ``dW[k, c, r, s] = Σ_m dy[m, k] ·
     relu(x[pix(m,r,s), c]·scale[c] + shift[c])`` over rows ``[split·CHUNK, (split+1)·CHUNK)``: stored in
-    the weight's dtype and strides when SPLIT == 1, else as fp32 partials ``dw[split, k, c, r, s]``."""
+    the weight's dtype and strides without SPLIT_K, else (split-K) as fp32 partials ``dw[split, k, c, r, s]``
+    (the number of splits is the grid's; a runtime value, so it costs no compilation of its own)."""
     Cg = C // GROUPS
     Kg = K // GROUPS
     NKB = tl.cdiv(Kg, BLOCK_M)
@@ -340,7 +356,7 @@ def _wgrad_tile(
     c_mask = offs_c < Cg
     k_glob = g * Kg + offs_k
     c_in = g * Cg + offs_c
-    pchan = tl.where(c_mask, c_in, 0)
+    sc, sh = _scale_shift(pack_ptr, c_in, c_mask, C)  # fixed channels: loaded once, outside the loop
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -357,11 +373,12 @@ def _wgrad_tile(
         ih = p * STRIDE_H - PAD_H + r * DIL_H
         iw = q * STRIDE_W - PAD_W + s * DIL_W
         valid = m_mask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        a = _preact_tile(x_ptr, nb * sxn + ih * sxh + iw * sxw, c_in, valid[:, None] & c_mask[None, :], sxc,
-                         pack_ptr, pchan, C)
+        amask = valid[:, None] & c_mask[None, :]
+        xt = tl.load(x_ptr + (nb * sxn + ih * sxh + iw * sxw)[:, None] + c_in[None, :] * sxc, mask=amask, other=0.0)
+        a = _preact(xt, sc, sh, amask)
         acc = tl.dot(dyt.to(DOT_DTYPE), a.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
     out_mask = k_mask[:, None] & c_mask[None, :]
-    if SPLIT == 1:
+    if not SPLIT_K:
         optr = dw_ptr + k_glob[:, None] * swk + offs_c[None, :] * swc + r * swr + s * sws
         tl.store(optr, acc.to(dw_ptr.dtype.element_ty), mask=out_mask)
     else:
@@ -369,7 +386,7 @@ def _wgrad_tile(
         tl.store(dw_ptr + flat, acc, mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_parts", "M", "CHUNK", "NUM_WGRAD", "H", "W", "P", "Q"))
 def _wgrad_kernel(
     dy_ptr, sdn, sdh, sdw, sdc,
     x_ptr, sxn, sxh, sxw, sxc,
@@ -380,7 +397,7 @@ def _wgrad_kernel(
     H, W, C, P, Q, K,
     GROUPS, R: tl.constexpr, S: tl.constexpr,
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
-    DIL_H: tl.constexpr, DIL_W: tl.constexpr, SPLIT: tl.constexpr,
+    DIL_H: tl.constexpr, DIL_W: tl.constexpr, SPLIT_K: tl.constexpr,
     SUM_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -400,7 +417,7 @@ def _wgrad_kernel(
     if pid < NUM_WGRAD:
         _wgrad_tile(dy_ptr, sdn, sdh, sdw, sdc, x_ptr, sxn, sxh, sxw, sxc, pack_ptr, dw_ptr, swk, swc, swr, sws,
                     pid, M, CHUNK, H, W, C, P, Q, K, GROUPS, R, S, STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W,
-                    SPLIT, DOT_DTYPE, INPUT_PRECISION, IDX64, BLOCK_M, BLOCK_N, BLOCK_R)
+                    SPLIT_K, DOT_DTYPE, INPUT_PRECISION, IDX64, BLOCK_M, BLOCK_N, BLOCK_R)
     elif SUM_MODE != 0:
         cols = (pid - NUM_WGRAD) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C
@@ -419,8 +436,7 @@ def _wgrad_kernel(
             tl.store(coef_ptr + cols, s_dz * inv_count, mask=cmask)
             tl.store(coef_ptr + C + cols, s_dzx * inv_count, mask=cmask)
         else:
-            pc = tl.where(cmask, cols, 0)
-            istd = tl.load(pack_ptr + 2 * C + pc)
-            sc = tl.load(pack_ptr + 3 * C + pc)
+            istd = tl.load(pack_ptr + 2 * C + cols, mask=cmask, other=1.0)
+            sc = tl.load(pack_ptr + 3 * C + cols, mask=cmask, other=0.0)
             tl.store(coef_ptr + cols, -sc * s_dz, mask=cmask)
             tl.store(coef_ptr + C + cols, (sc / istd) * s_dzx / istd, mask=cmask)

@@ -24,7 +24,7 @@ import torch
 
 from fused_preact.ops import _bn_kernels as BK
 from fused_preact.ops import _conv_kernels as CK
-from fused_preact.ops._common import dot_dtype, input_precision, interpreting, nhwc_strides, triton, wants_channels_last
+from fused_preact.ops._common import dot_dtype, input_precision, interpreting, nhwc_strides, triton
 from fused_preact.ops._tuning import cache_for, choose, tuning_enabled
 from fused_preact.ops.chain_spec import BATCH, EXTERNAL, BNMode, ChainSpec, ChainTensors, ConvGeom, StatsHandoff
 
@@ -61,7 +61,8 @@ def _gpu_gemm(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
     block_m = 128 if m >= 8 * 128 else 64
     block_n = _p2(n, 16, 128)
     block_k = _p2(k, 16, 64)
-    warps = 8 if block_m * block_n >= 128 * 128 else 4
+    # 8 warps from 128×64 up: with 4 warps a 128×64×64 tile needs 255 registers (no margin).
+    warps = 8 if block_m * block_n >= 128 * 64 else 4
     return GemmConfig(block_m, block_n, block_k, warps, 3)
 
 
@@ -89,8 +90,12 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype) -> GemmConfig:
         return GemmConfig(_p2(Kg, 16, 256), _p2(Cg, 16, 256), _p2(M, 16, 4096))
     wide = 64 if dtype == torch.float32 else 128
     block_m, block_n = _p2(Kg, 64, wide), _p2(Cg, 16, wide)  # ≥ 64 rows: wgmma's minimum M on sm_90
-    block_k = 32 if dtype == torch.float32 else 64
-    return GemmConfig(block_m, block_n, block_k, 8 if block_m * block_n >= 128 * 128 else 4, 3)
+    if block_m * block_n >= 128 * 128:  # 128×128×64 spills 48 bytes on sm_80 with split-K (static report)
+        return GemmConfig(block_m, block_n, 32, 8, 4)
+    if block_m * block_n >= 64 * 128:  # 4 warps: 255 registers on sm_80, a spill away from the limit
+        return GemmConfig(block_m, block_n, 32 if dtype == torch.float32 else 64, 8, 3)
+    # 3 stages on a ≤ 64×32 tile: ptxas spills a value on sm_80 at 96 registers; 4 stages take 112, none
+    return GemmConfig(block_m, block_n, 32 if dtype == torch.float32 else 64, 4, 3 if block_m * block_n > 64 * 32 else 4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,8 +138,10 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype) -> list[Ge
     for bm, bn, bk, warps, stages in space:
         if half == 2 and (bm > 64 or bn > 64):  # fp32 operands: 64×64 tiles at most (static report)
             continue
-        cfg = GemmConfig(min(bm, _p2(m, 64, bm)), min(bn, _p2(n, 16, bn)), min(bk // half, _p2(k, 16, bk // half)),
-                         warps, stages)
+        bm, bn = min(bm, _p2(m, 64, bm)), min(bn, _p2(n, 16, bn))
+        # A tile clamped below 128×64 has too few operand elements for 8 warps: 16-bit scalar loads
+        # (e.g. a 16×16 weight tile over 256 threads; static report), so it runs with 4.
+        cfg = GemmConfig(bm, bn, min(bk // half, _p2(k, 16, bk // half)), 4 if bm * bn < 128 * 64 else warps, stages)
         if cfg not in out:
             out.append(cfg)
     return out
@@ -142,13 +149,13 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype) -> list[Ge
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of fprop; BLOCK_K halves for fp32 operands. Pruned by the
 #: static report (no spills on sm_90 or sm_80, in every epilogue variant).
-_FPROP_SPACE = ((128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 4, 4), (128, 64, 32, 4, 4),
-                (64, 64, 64, 4, 4), (64, 64, 32, 4, 5))
+_FPROP_SPACE = ((128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 8, 3), (128, 64, 32, 8, 4),
+                (64, 64, 64, 4, 4), (64, 64, 32, 4, 4))
 #: dgrad: 64-row tiles (its epilogue holds accumulator, x, mask and x̂ at once; 128-row tiles spill).
 _DGRAD_SPACE = ((64, 128, 64, 4, 3), (64, 128, 32, 4, 4), (64, 64, 64, 4, 4), (64, 64, 32, 4, 5))
 #: wgrad: (output channels, input channels, rows) per tile.
-_WGRAD_SPACE = ((128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4),
-                (128, 128, 32, 8, 4), (64, 64, 128, 4, 3))
+_WGRAD_SPACE = ((128, 128, 32, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 8, 4), (64, 64, 64, 4, 4),
+                (64, 64, 128, 4, 3))
 
 
 def _dgrad_tiles(u: "_Unit") -> tuple[int, int]:
@@ -666,7 +673,7 @@ class TritonPlan:
             self._launch("wgrad", CK._wgrad_kernel, (n_wg + n_red,),
                 g_out, *g_strides, xin, *sx, pack, dw_target, *sdw,
                 psum, num_parts, dbetas[i], dgammas[i], coef, 1.0 / u.M_in,
-                u.M_out, chunk, n_wg, **geo, SPLIT=u.split,
+                u.M_out, chunk, n_wg, **geo, SPLIT_K=u.split > 1,
                 SUM_MODE=sum_mode, HAS_GAMMA=has_gamma, **dot,
                 BLOCK_M=wc.BLOCK_M, BLOCK_N=wc.BLOCK_N, BLOCK_R=wc.BLOCK_K,
                 BLOCK_C=block_c, BLOCK_P=_p2(num_parts, 16, 1024) if interpreting() else 32,
@@ -683,7 +690,7 @@ class TritonPlan:
                 psum, 0, None, None, coef, 1.0,
                 M2, triton.cdiv(triton.cdiv(M2, self.proj_split), pwc.BLOCK_K) * pwc.BLOCK_K, n_wg2,
                 H=H, W=W, C=C, P=P2, Q=Q2, K=K2, GROUPS=1, R=1, S=1, STRIDE_H=stride2, STRIDE_W=stride2,
-                PAD_H=0, PAD_W=0, DIL_H=1, DIL_W=1, SPLIT=self.proj_split, SUM_MODE=0, HAS_GAMMA=False, **dot,
+                PAD_H=0, PAD_W=0, DIL_H=1, DIL_W=1, SPLIT_K=self.proj_split > 1, SUM_MODE=0, HAS_GAMMA=False, **dot,
                 BLOCK_M=pwc.BLOCK_M, BLOCK_N=pwc.BLOCK_N, BLOCK_R=pwc.BLOCK_K, BLOCK_C=16, BLOCK_P=16,
                 num_warps=pwc.num_warps, num_stages=pwc.num_stages,
             )
@@ -701,8 +708,8 @@ class TritonPlan:
                 scratch[0] if n_dx else None, xin, *sx, pack, coef, *rres, *tgt, u.M_in, n_dx,
                 *job1, n_red1, *job2,
                 H=H, W=W, C=C, HAS_RES=rres[0] is not None, IDX64=self.idx64,
-                K1=K, CG1=C // g.groups, R1=g.kernel[0], S1=g.kernel[1], SPLIT1=u.split if n_red1 else 1,
-                K2=K2, CG2=C, SPLIT2=self.proj_split if n_red2 else 1,
+                K1=K, CG1=C // g.groups, R1=g.kernel[0], S1=g.kernel[1], SPLIT1=u.split if n_red1 else 1, HAS_RED1=n_red1 > 0,
+                K2=K2, CG2=C, SPLIT2=self.proj_split if n_red2 else 1, HAS_RED2=n_red2 > 0,
                 BLOCK_M=bm, BLOCK_C=bc, BLOCK_E=_FOLD_BLOCK, num_warps=4,
             )
         if kind == EXTERNAL:

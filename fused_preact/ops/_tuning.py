@@ -29,6 +29,8 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
+from fused_preact.ops._common import interpreting
+
 logger = logging.getLogger("fused_preact")
 
 __all__ = ["TuneCache", "tuning_enabled", "default_cache_path", "choose", "tuning_seconds", "cache_for"]
@@ -40,8 +42,6 @@ _spent = [0.0]
 
 def tuning_enabled() -> bool:
     """Whether plans tune their tiles (``FUSED_PREACT_AUTOTUNE`` is not ``0``; never in the interpreter)."""
-    from fused_preact.ops._common import interpreting
-
     return os.environ.get("FUSED_PREACT_AUTOTUNE", "1") != "0" and not interpreting()
 
 

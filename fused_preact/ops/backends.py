@@ -20,8 +20,10 @@ from typing import ClassVar, NamedTuple, Optional
 
 import torch
 
-from fused_preact.ops import _cuda
+from fused_preact.ops import _cuda, library
 from fused_preact.ops._common import compute_dtype, triton_mode
+from fused_preact.ops._cuda_chain import CudaPlan
+from fused_preact.ops._triton import TritonPlan
 from fused_preact.ops.chain import ChainResult, fused_chain, reference_chain
 from fused_preact.ops.chain_spec import BATCH, BNMode, ChainSpec, ChainTensors, chain_shapes, validate_chain
 
@@ -45,6 +47,11 @@ class Backend:
     min_compute_capability: ClassVar[Optional[tuple[int, int]]] = None
     channels_multiple: ClassVar[int] = 1
     fused: ClassVar[bool] = True
+
+    @classmethod
+    def runtime_mode(cls) -> Optional[str]:
+        """How the backend's kernels run in this process, for reports (None: nothing to say)."""
+        return None
 
     @classmethod
     def not_supported_reasons(cls, x: torch.Tensor, spec: Optional[ChainSpec] = None,
@@ -98,8 +105,6 @@ class _FusedBackend(Backend):
     @classmethod
     def run(cls, plan, spec, x, t, modes):
         if torch.compiler.is_compiling():
-            from fused_preact.ops import library
-
             return library.compiled_chain(cls.name, spec, x, t, modes, plan)
         return fused_chain(plan, x, t)
 
@@ -110,6 +115,11 @@ class TritonBackend(_FusedBackend):
     name = "triton"
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     min_compute_capability = (8, 0)
+
+    @classmethod
+    def runtime_mode(cls):
+        """:func:`fused_preact.ops._common.triton_mode`: ``"compiled"``, ``"interpreter"`` or ``"missing"``."""
+        return triton_mode()
 
     @classmethod
     def not_supported_reasons(cls, x, spec=None, dtype=None):
@@ -128,8 +138,6 @@ class TritonBackend(_FusedBackend):
 
     @classmethod
     def make_plan(cls, spec, modes, x, cdtype, in_stats, out_stats, residual_dtype):
-        from fused_preact.ops._triton import TritonPlan
-
         return TritonPlan(spec, modes, x.shape, x.stride(), x.dtype, x.device, cdtype, in_stats, out_stats,
                           residual_dtype)
 
@@ -165,8 +173,6 @@ class CudaBackend(_FusedBackend):
 
     @classmethod
     def make_plan(cls, spec, modes, x, cdtype, in_stats, out_stats, residual_dtype):
-        from fused_preact.ops._cuda_chain import CudaPlan
-
         return CudaPlan(spec, modes, x.shape, x.dtype, cdtype, residual_dtype)
 
 
