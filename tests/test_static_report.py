@@ -206,7 +206,7 @@ def _entry(**kw) -> dict:
     e = {"kind": "triton", "kernel": "fprop", "config": "128x64x64 w4 s3", "variant": "3x3", "dtype": "bf16",
          "arch": "sm_90", "conv": True, "regs": 128, "stack_bytes": 0, "shared_bytes": 1024, "mma": 8,
          "mma_by_op": {"HGMMA": 8}, "async_copies": {"LDGSTS": 6, "UTMALDG": 0},
-         "ldg_by_width": {"128": 4, "64": 0, "32": 0, "16": 96, "8": 0}, "ldgsts_by_width": {"128": 6},
+         "ldg_by_width": {"128": 4, "64": 0, "32": 2, "16": 0, "8": 0}, "ldgsts_by_width": {"128": 6},
          "spill_stores": 0, "spill_loads": 0, "shapes": ["m/layer1.0/conv2"], "key": "k"}
     e.update(kw)
     return e
@@ -223,7 +223,20 @@ def test_check_rules_and_table():
     assert "shared memory" in bad[2] and "compile failed" in bad[3]
     table = ST.format_table([ok, _entry(regs=200, key="k2")])
     row = table.splitlines()[2].split()
-    assert row[:6] == ["fprop", "128x64x64", "w4", "s3", "bf16", "sm_90"] and "128-200" in row and "16:96" in table
+    assert row[:6] == ["fprop", "128x64x64", "w4", "s3", "bf16", "sm_90"] and "128-200" in row and "32:2" in table
+
+
+def test_check_rules_on_operand_loads():
+    """The measured failure of the first GPU run (96 scalar LDG.E.U16 of the activation tile) and a
+    mainloop without async copies fail; fp32's 32-bit loads and a non-convolution pass."""
+    scalar = _entry(ldg_by_width={"128": 0, "64": 0, "32": 0, "16": 96, "8": 0})
+    bad = ST.check_entries([scalar, _entry(dtype="fp16", ldgsts_by_width={"128": 4, "16": 2}),
+                            _entry(async_copies={"LDGSTS": 0, "UTMALDG": 0})])
+    assert len(bad) == 3
+    assert "96 scalar 16/8-bit" in bad[0] and "2 scalar 16/8-bit" in bad[1] and "no async" in bad[2]
+    assert ST.check_entries([_entry(async_copies={"LDGSTS": 0, "UTMALDG": 3}),
+                             _entry(dtype="fp32", ldg_by_width={"32": 40}),
+                             _entry(conv=False, async_copies={}, ldg_by_width={"16": 8})]) == []
 
 
 def test_static_refuses_under_interpreter(monkeypatch, capsys):

@@ -50,7 +50,7 @@ Output: ``<out>/static-<triton version>-<date>.json`` (top level: ``triton``, ``
 ``conv``, ``shapes`` (layers that launch it), ``signature``/``constexprs`` (the specialization)) and a
 table on stdout. ``--check`` exits 1 listing every entry that spills (stack_bytes > 0), exceeds the
 arch's shared memory per block, failed to compile, or is a convolution (``conv``) without tensor-core
-instructions; ``--cubins DIR`` adds every ``*.cubin`` there (CUDA C++ builds) as ``kind: "csrc"``.
+instructions, without async copies, or with 16-bit scalar operand loads; ``--cubins DIR`` adds every ``*.cubin`` there (CUDA C++ builds) as ``kind: "csrc"``.
 """
 
 from __future__ import annotations
@@ -504,10 +504,28 @@ def _load_provider(spec: str) -> Callable:
     return _import_attr(module, name)
 
 
+def _operand_load_problems(e: dict) -> list[str]:
+    """A convolution's operand tiles must reach the tensor cores through async copies (cp.async or TMA)
+    or wide loads: no async copy at all, or — in a 16-bit dtype, where every sub-32-bit global load
+    is an element-wise load of an activation, gradient or weight tile — any 16/8-bit LDG or LDGSTS
+    fails. (32-bit loads are left alone: fp32 per-channel vectors such as scale/shift are spread one
+    element per thread, and in fp32 they cannot be told apart from operand loads.)"""
+    why = []
+    asyncs = e.get("async_copies", {})
+    if not (asyncs.get("LDGSTS", 0) or asyncs.get("UTMALDG", 0)):
+        why.append("no async global→shared copies (LDGSTS/UTMALDG) for the operands")
+    if e.get("dtype") in ("bf16", "fp16"):
+        narrow = sum(e.get(key, {}).get(w, 0) for key in ("ldg_by_width", "ldgsts_by_width") for w in ("16", "8"))
+        if narrow:
+            why.append(f"{narrow} scalar 16/8-bit global loads (operand tiles must load as vectors)")
+    return why
+
+
 def check_entries(entries: Sequence[dict]) -> list[str]:
     """Why each failing entry fails ``--check``: compile error, stack_bytes > 0 (spills), shared
     memory over the arch's per-block limit (:data:`SMEM_LIMIT`), or a convolution (``conv`` true)
-    without the arch's tensor-core instruction (HGMMA on sm_90+, HMMA below). Empty: all pass."""
+    without the arch's tensor-core instruction (HGMMA on sm_90+, HMMA below), without async copies, or
+    with scalar 16-bit operand loads (:func:`_operand_load_problems`). Empty: all pass."""
     problems = []
     for e in entries:
         arch = int(re.sub(r"\D", "", e["arch"]) or 0)
@@ -523,6 +541,8 @@ def check_entries(entries: Sequence[dict]) -> list[str]:
             if e.get("conv") and not e.get("mma"):
                 op = "HGMMA" if arch >= 90 else "HMMA"
                 why.append(f"no {op} (tensor-core ops found: {e.get('mma_by_op') or 'none'})")
+            if e.get("conv"):
+                why.extend(_operand_load_problems(e))
         if why:
             where = ", ".join(e.get("shapes", [])[:3]) + (" …" if len(e.get("shapes", [])) > 3 else "")
             problems.append(f"{e['kind']} {e['kernel']} [{e['config']}] {e.get('variant', '')} {e.get('dtype', '')} "
@@ -595,8 +615,9 @@ def _parser() -> argparse.ArgumentParser:
                                       "fused_preact.bench.static_chain:chain_jobs)")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton kernels (with --cubins)")
     p.add_argument("--cubins", metavar="DIR", help="also report every *.cubin in DIR (CUDA C++ builds)")
-    p.add_argument("--check", action="store_true", help="exit 1 if any entry spills, lacks tensor-core "
-                                                        "instructions (convolutions), exceeds shared memory or failed")
+    p.add_argument("--check", action="store_true", help="exit 1 if any entry spills, exceeds shared memory or "
+                                                        "failed, or a convolution lacks tensor-core instructions or "
+                                                        "async copies or loads 16-bit operands element-wise")
     p.add_argument("--out", default="benchmarks/results", help="folder for static-<triton>-<date>.json")
     p.add_argument("--processes", type=int, default=2, help="compile processes (at most 2)")
     p.add_argument("--cache-dir", default=os.environ.get("FUSED_PREACT_STATIC_CACHE",
@@ -673,7 +694,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if problems:
             print(f"\n--check: {len(problems)} entries fail:\n  " + "\n  ".join(problems))
             return 1
-        print("--check: all entries pass (no spills, tensor cores in every convolution)")
+        print("--check: all entries pass (no spills; tensor cores, async copies and vector operand loads in every "
+              "convolution)")
     return 0
 
 

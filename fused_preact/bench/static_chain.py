@@ -90,7 +90,7 @@ def _label(rec) -> str:
         return f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{k.get('num_warps', 4)} s{k.get('num_stages', 3)}"
     if "BLOCK_R" in k:
         return (f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_R']} w{k.get('num_warps', 4)} s{k.get('num_stages', 3)}"
-                f" split{k.get('SPLIT', 1)}")
+                + (" splitK" if k.get("SPLIT_K") else ""))
     return " ".join(f"{n}{v}" for n, v in sorted(k.items()) if n.startswith("BLOCK")) + f" w{k.get('num_warps', 4)}"
 
 
