@@ -14,6 +14,13 @@
 #                                          as skipped; a second call can take those, e.g.
 #     BENCH_ARGS="--models preact_resnet164 --providers eager triton compile" bash benchmarks/gpu_session.sh bench
 #     BENCH_ARGS="--level unit block --models preact_resnet50 --providers eager triton compile-max-autotune" ...
+#   bash benchmarks/gpu_session.sh csrc    builds fused_preact._C for sm_90a (the nvidia-cutlass wheel
+#                                          carried in .whl/, or installed), then tests/test_csrc.py on
+#                                          CUDA with FUSED_PREACT_REQUIRE_CUDA_EXT=1 (~5 min)
+#   bash benchmarks/gpu_session.sh kernels "$PY" -m fused_preact.bench --level kernel (each fused
+#                                          kernel vs cuDNN's convolution; KERNEL_ARGS, default
+#                                          "--models preact_resnet50 --dtype bf16"), then the
+#                                          host enqueue time of blocks and steps (--modes enqueue)
 #   bash benchmarks/gpu_session.sh quick   "$PY" -m fused_preact.bench --quick (~2.5 min)
 #   bash benchmarks/gpu_session.sh pytest  pytest benchmarks --benchmark-only
 #                                          (FUSED_PREACT_BENCH=quick unless set; ~9.5 min at most)
@@ -24,7 +31,7 @@
 # writes them there on the device, where they vanish with the machine).
 set -uo pipefail
 STAGE=${1:-check}
-case "$STAGE" in check|bench|quick|pytest) ;; *) echo "unknown stage '$STAGE' (check, bench, quick, pytest)"; exit 2 ;; esac
+case "$STAGE" in check|bench|quick|pytest|csrc|kernels) ;; *) echo "unknown stage '$STAGE' (check, bench, quick, pytest, csrc, kernels)"; exit 2 ;; esac
 # the device image's interpreter is python3 (a venv's; a bare `python` may be missing there)
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 OUT=${OUT:-gpu-out}
@@ -107,6 +114,29 @@ PYEOF
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
     bench "$limit" "$PY" -m fused_preact.bench --out "$OUT" --time-limit $((limit - 70)) ${FUSED_PREACT_COMMIT:+--commit "$FUSED_PREACT_COMMIT"} ${BENCH_ARGS:-}
     ;;
+  csrc)
+    if ! "$PY" -c "import cutlass_library" 2>/dev/null; then
+      ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1 || { echo "csrc: carry the nvidia-cutlass wheel in .whl/"; exit 2; }
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/nvidia_cutlass-*.whl
+      export PYTHONPATH="/tmp/site:$PYTHONPATH"
+    fi
+    FUSED_PREACT_CUDA_ARCHS=${FUSED_PREACT_CUDA_ARCHS:-9.0a} MAX_JOBS=${MAX_JOBS:-12} \
+      run build 300 "$PY" setup.py build_ext --inplace > "$OUT/build.log" 2>&1
+    tail -3 "$OUT/build.log"
+    FUSED_PREACT_REQUIRE_CUDA_EXT=1 run csrc-tests $((560 - SECONDS)) "$PY" -m pytest tests/test_csrc.py -n 4 -q \
+      -p no:cacheprovider -rf > "$OUT/csrc_tests.log" 2>&1
+    tail -15 "$OUT/csrc_tests.log"
+    ;;
+  kernels)
+    limit=$((555 - SECONDS))
+    # shellcheck disable=SC2086
+    bench $((limit * 3 / 4)) "$PY" -m fused_preact.bench --level kernel --out "$OUT" --time-limit $((limit * 3 / 4 - 40)) \
+      ${FUSED_PREACT_COMMIT:+--commit "$FUSED_PREACT_COMMIT"} ${KERNEL_ARGS:---models preact_resnet50 --dtype bf16}
+    mv "$OUT/bench.log" "$OUT/bench_kernel.log"
+    mkdir -p "$OUT/enqueue"
+    bench $((555 - SECONDS)) "$PY" -m fused_preact.bench --level block model --modes enqueue --providers eager triton \
+      --out "$OUT/enqueue" --time-limit $((555 - SECONDS - 40)) ${FUSED_PREACT_COMMIT:+--commit "$FUSED_PREACT_COMMIT"}
+    ;;
   quick)
     bench 200 "$PY" -m fused_preact.bench --quick --out "$OUT" ${FUSED_PREACT_COMMIT:+--commit "$FUSED_PREACT_COMMIT"}
     ;;
@@ -114,7 +144,7 @@ PYEOF
     pytest_bench $((560 - SECONDS))
     ;;
   *)
-    echo "unknown stage '$STAGE' (check, bench, quick, pytest)"
+    echo "unknown stage '$STAGE' (check, bench, quick, pytest, csrc, kernels)"
     exit 2
     ;;
 esac

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 
 import torch
@@ -97,3 +98,20 @@ def randn(*shape, dtype=torch.float32, device=DEVICE, mean=0.0, std=1.0, channel
     t = torch.randn(*shape, dtype=torch.float64, generator=generator) * std + mean
     t = t.to(device=device, dtype=dtype)
     return t.contiguous(memory_format=torch.channels_last) if channels_last and t.dim() == 4 else t
+
+
+class HostEvent:
+    """A stand-in for ``torch.cuda.Event`` on the host clock (tests of the timing glue without CUDA):
+    ``elapsed_time`` in ms, at least 1e-6 so that a ratio of two times is always defined."""
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return max((other.t - self.t) * 1e3, 1e-6)

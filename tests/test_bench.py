@@ -11,12 +11,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections import OrderedDict
 
 import pytest
 import torch
 import torch.nn as nn
+
+from helpers import HostEvent
 
 from fused_preact.bench import run as bench
 from fused_preact.bench import timing as BT
@@ -249,24 +250,10 @@ def test_cli_refuses_without_cuda(tmp_path):
     assert not out.exists()
 
 
-class _HostEvent:
-    def __init__(self, enable_timing=False):
-        self.t = None
-
-    def record(self, stream=None):
-        self.t = time.perf_counter()
-
-    def synchronize(self):
-        pass
-
-    def elapsed_time(self, other):
-        return (other.t - self.t) * 1e3
-
-
 @pytest.fixture
 def host_harness(monkeypatch):
     monkeypatch.setattr(BT, "DEVICE", "cpu")
-    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+    monkeypatch.setattr(torch.cuda, "Event", HostEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     return BT
 

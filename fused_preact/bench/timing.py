@@ -11,6 +11,18 @@ autotuning, cuDNN algorithm search all happen there); the inputs rotate through 
 size is at least twice the L2 cache, so a call never finds its input cached by the previous one;
 the result is the median in ms. Untimed per-call setup (the forward pass whose backward is timed,
 copying a batch into a CUDA graph's static input) runs before the start event.
+
+Device time only (``host_ahead_cycles``, the kernel level): the GPU is idle when the start event is
+recorded, so by default a call's time includes the host's time to enqueue its first kernel (tens of µs
+for a Triton launch from Python), which dwarfs a small kernel. With ``host_ahead_cycles`` a sleep kernel
+(``torch.cuda._sleep``, about that many GPU clock cycles) is enqueued before the start event: the host
+enqueues start event, call and end event while the device still sleeps, so the events bracket device
+work only (as long as enqueuing the call takes less than the sleep).
+
+Enqueue time (:func:`time_enqueue`, mode ``enqueue``): consecutive steps issued with no
+synchronization; the host time until the last call returns, per step, is what the host needs to
+enqueue one step (its launch overhead), the time until the device has finished, per step, the wall
+time of a step when the host never waits.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ __all__ = [
     "measure_peaks",
     "pool_count",
     "time_cuda",
+    "time_enqueue",
     "peak_memory",
     "configure_dynamo",
     "unit_module",
@@ -117,12 +130,14 @@ def pool_count(set_bytes: int, l2_bytes: int, cap: int = 16, factor: float = 2.0
 
 
 def time_cuda(run: Callable[[Any], Any], setup: Callable[[int], Any] = lambda i: i, *, warmup: int = 3,
-              reps: int = 25, max_s: float = 2.0) -> list[float]:
+              reps: int = 25, max_s: float = 2.0, host_ahead_cycles: int = 0) -> list[float]:
     """Time ``run(setup(i))`` with CUDA events; return the per-call device times in ms.
 
     ``warmup`` untimed calls first; then up to ``reps`` timed calls, stopping early (after at least 3)
-    once ``max_s`` seconds of wall time have passed. Each call: ``setup(i)`` (untimed), start event,
-    ``run``, end event, host waits for the end event. Requires CUDA.
+    once ``max_s`` seconds of wall time have passed. Each call: ``setup(i)`` (untimed), with
+    ``host_ahead_cycles`` > 0 a ``torch.cuda._sleep(host_ahead_cycles)`` kernel (GPU clock cycles; the
+    module docstring says why), start event, ``run``, end event, host waits for the end event.
+    Requires CUDA.
     """
     for i in range(warmup):
         run(setup(i))
@@ -132,6 +147,8 @@ def time_cuda(run: Callable[[Any], Any], setup: Callable[[int], Any] = lambda i:
     for i in range(reps):
         state = setup(warmup + i)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if host_ahead_cycles > 0:
+            torch.cuda._sleep(int(host_ahead_cycles))
         start.record()
         run(state)
         end.record()
@@ -140,6 +157,38 @@ def time_cuda(run: Callable[[Any], Any], setup: Callable[[int], Any] = lambda i:
         if len(times) >= 3 and time.perf_counter() - t0 > max_s:
             break
     return times
+
+
+def time_enqueue(run: Callable[[Any], Any], setup: Callable[[int], Any] = lambda i: i, *, steps: int = 20,
+                 repeats: int = 3, warmup: int = 1) -> tuple[list[float], list[float]]:
+    """Host enqueue time and wall time per step of ``steps`` consecutive ``run(setup(i))`` calls.
+
+    ``warmup`` untimed calls, then ``repeats`` times: synchronize, ``setup`` of all ``steps`` calls
+    (untimed), ``t0 = time.perf_counter()``, the ``steps`` calls back to back with no synchronization,
+    ``t1`` when the last call returns, synchronize, ``t2``. Requires CUDA.
+
+    Returns:
+        ``(enqueue_ms, wall_ms)``, one value per repeat: ``(t1 − t0)/steps`` and ``(t2 − t0)/steps``
+        in ms per step. Enqueue ≈ wall means the host was the bottleneck, or something in the step
+        synchronized (or the launch queue filled up and the host had to wait for the device).
+    """
+    if steps < 1 or repeats < 1:
+        raise ValueError(f"steps and repeats must be ≥ 1, got {steps}, {repeats}")
+    for i in range(warmup):
+        run(setup(i))
+    enqueue, wall = [], []
+    for r in range(repeats):
+        torch.cuda.synchronize()
+        states = [setup(warmup + r * steps + i) for i in range(steps)]
+        t0 = time.perf_counter()
+        for state in states:
+            run(state)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        enqueue.append((t1 - t0) * 1e3 / steps)
+        wall.append((t2 - t0) * 1e3 / steps)
+    return enqueue, wall
 
 
 def peak_memory(run: Callable[[Any], Any], setup: Callable[[int], Any] = lambda i: i) -> int:
