@@ -19,8 +19,9 @@
 #                                          CUDA with FUSED_PREACT_REQUIRE_CUDA_EXT=1 (~5 min)
 #   bash benchmarks/gpu_session.sh kernels "$PY" -m fused_preact.bench --level kernel (each fused
 #                                          kernel vs cuDNN's convolution; KERNEL_ARGS, default
-#                                          "--models preact_resnet50 --dtype bf16"), then the
-#                                          host enqueue time of blocks and steps (--modes enqueue)
+#                                          "--models preact_resnet50 --dtype bf16"; ~9.5 min)
+#   bash benchmarks/gpu_session.sh enqueue --level block model --modes enqueue: host enqueue time vs
+#                                          wall time per block fwd+bwd and training step (~9.5 min)
 #   bash benchmarks/gpu_session.sh quick   "$PY" -m fused_preact.bench --quick (~2.5 min)
 #   bash benchmarks/gpu_session.sh pytest  pytest benchmarks --benchmark-only
 #                                          (FUSED_PREACT_BENCH=quick unless set; ~9.5 min at most)
@@ -31,7 +32,7 @@
 # writes them there on the device, where they vanish with the machine).
 set -uo pipefail
 STAGE=${1:-check}
-case "$STAGE" in check|bench|quick|pytest|csrc|kernels) ;; *) echo "unknown stage '$STAGE' (check, bench, quick, pytest, csrc, kernels)"; exit 2 ;; esac
+case "$STAGE" in check|bench|quick|pytest|csrc|kernels|enqueue) ;; *) echo "unknown stage '$STAGE' (check, bench, quick, pytest, csrc, kernels, enqueue)"; exit 2 ;; esac
 # the device image's interpreter is python3 (a venv's; a bare `python` may be missing there)
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 OUT=${OUT:-gpu-out}
@@ -128,14 +129,16 @@ PYEOF
     tail -15 "$OUT/csrc_tests.log"
     ;;
   kernels)
-    limit=$((555 - SECONDS))
-    # shellcheck disable=SC2086
-    bench $((limit * 3 / 4)) "$PY" -m fused_preact.bench --level kernel --out "$OUT" --time-limit $((limit * 3 / 4 - 40)) \
-      ${FUSED_PREACT_COMMIT:+--commit "$FUSED_PREACT_COMMIT"} ${KERNEL_ARGS:---models preact_resnet50 --dtype bf16}
-    mv "$OUT/bench.log" "$OUT/bench_kernel.log"
-    mkdir -p "$OUT/enqueue"
+    # shellcheck disable=SC2086  # KERNEL_ARGS is a list of arguments
+    bench $((555 - SECONDS)) "$PY" -m fused_preact.bench --level kernel --out "$OUT" --no-chart \
+      --time-limit $((555 - SECONDS - 70)) ${FUSED_PREACT_COMMIT:+--commit "$FUSED_PREACT_COMMIT"} \
+      ${KERNEL_ARGS:---models preact_resnet50 --dtype bf16}
+    ;;
+  enqueue)
+    # host enqueue vs wall time per block fwd+bwd and per training step, eager vs fused (no chart: it
+    # plots speedups of the other modes only)
     bench $((555 - SECONDS)) "$PY" -m fused_preact.bench --level block model --modes enqueue --providers eager triton \
-      --out "$OUT/enqueue" --time-limit $((555 - SECONDS - 40)) ${FUSED_PREACT_COMMIT:+--commit "$FUSED_PREACT_COMMIT"}
+      --out "$OUT" --no-chart --time-limit $((555 - SECONDS - 70)) ${FUSED_PREACT_COMMIT:+--commit "$FUSED_PREACT_COMMIT"}
     ;;
   quick)
     bench 200 "$PY" -m fused_preact.bench --quick --out "$OUT" ${FUSED_PREACT_COMMIT:+--commit "$FUSED_PREACT_COMMIT"}
@@ -144,7 +147,7 @@ PYEOF
     pytest_bench $((560 - SECONDS))
     ;;
   *)
-    echo "unknown stage '$STAGE' (check, bench, quick, pytest, csrc, kernels)"
+    echo "unknown stage '$STAGE' (check, bench, quick, pytest, csrc, kernels, enqueue)"
     exit 2
     ;;
 esac
