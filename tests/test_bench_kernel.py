@@ -157,6 +157,8 @@ def _fake_run(**args):
     a.update(args)
     fake = SimpleNamespace(a=SimpleNamespace(**a), peaks=BT.Peaks(100.0, 1000.0, 1, 1, 1 << 20, 1))
     fake._enqueue = lambda *x, **k: bench._Run._enqueue(fake, *x, **k)
+    fake.skipped = []
+    fake.skip = lambda t, reason: fake.skipped.append(reason)
     return fake
 
 
@@ -278,3 +280,21 @@ def test_entries_by_dtype_and_schema_of_the_new_modes():
     problems = bench.validate_results(bad)
     assert any("does not belong to level 'kernel'" in p for p in problems)
     assert any("wall_ms" in p for p in problems)
+
+
+def test_a_failing_mode_keeps_the_modes_measured_around_it(host, monkeypatch):
+    u = UnitShape("m", "m/l/c", 2, 8, 5, 5, 16, 3, 3, (1, 1), (1, 1))
+    real = K.measure
+
+    def measure(bench_, provider, mode, *args):
+        if mode == "dgrad":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+        return real(bench_, provider, mode, *args)
+
+    monkeypatch.setattr(K, "measure", measure)
+    run = _fake_run()
+    entries = bench._Run.kernel(run, bench._Task("kernel", "m", u, "cudnn", 0, 1, "fp32"))
+    assert [e["mode"] for e in entries] == ["fprop", "wgrad"]
+    assert run.skipped == ["dgrad: error: RuntimeError: CUDA error: an illegal memory access was encountered"]
+    with pytest.raises(BT.Skip, match="dgrad: error: RuntimeError"):
+        bench._Run.kernel(_fake_run(kernel_modes=["dgrad"]), bench._Task("kernel", "m", u, "cudnn", 0, 1, "fp32"))

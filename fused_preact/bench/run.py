@@ -616,17 +616,27 @@ class _Run:
         bench = BK.KernelBench(t.item, dtype, self.peaks.l2_bytes)
         elem = torch.finfo(dtype).bits // 8
         fl = kernel_flops(t.item)
-        out = []
+        out, failed = [], []
         for mode in [m for m in self.a.kernel_modes if m in bench.modes(t.provider)]:
-            m = BK.measure(bench, t.provider, mode, self.a.warmup, self.a.reps, self.a.max_s)
+            try:  # a failing mode must not lose the modes measured before it
+                m = BK.measure(bench, t.provider, mode, self.a.warmup, self.a.reps, self.a.max_s)
+            except BT.Skip as e:
+                failed.append(f"{mode}: {e}")
+                continue
+            except Exception as e:
+                traceback.print_exc(limit=4)
+                failed.append(f"{mode}: error: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+                continue
             nb = kernel_min_bytes(t.item, mode, elem)
             out.append(make_entry(name=t.name, level="kernel", provider=t.provider, mode=mode, dtype=t.dtype,
                                   batch=self.a.batch, times_ms=m.times_ms, peak_mem_bytes=m.peak_mem_bytes, flops=fl,
                                   min_bytes=nb, floor=floor_ms(fl, nb, self.peaks.tflops, self.peaks.gbps),
                                   shape=t.item.describe(), count=t.item.count, **m.extra))
+        if failed and out:
+            self.skip(t, "; ".join(failed))  # the other modes' entries are kept
         if not out:
-            raise BT.Skip(f"{t.provider} has no call for the modes {' '.join(self.a.kernel_modes)} "
-                          f"(it has {' '.join(bench.modes(t.provider))})")
+            raise BT.Skip("; ".join(failed) or f"{t.provider} has no call for the modes "
+                          f"{' '.join(self.a.kernel_modes)} (it has {' '.join(bench.modes(t.provider))})")
         return out
 
     def execute(self, tasks: list[_Task]) -> None:
