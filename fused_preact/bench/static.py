@@ -50,7 +50,8 @@ Output: ``<out>/static-<triton version>-<date>.json`` (top level: ``triton``, ``
 ``conv``, ``shapes`` (layers that launch it), ``signature``/``constexprs`` (the specialization)) and a
 table on stdout. ``--check`` exits 1 listing every entry that spills (stack_bytes > 0), exceeds the
 arch's shared memory per block, failed to compile, or is a convolution (``conv``) without tensor-core
-instructions, without async copies, or with 16-bit scalar operand loads; ``--cubins DIR`` adds every ``*.cubin`` there (CUDA C++ builds) as ``kind: "csrc"``.
+instructions, without async copies, or with 16-bit scalar operand loads; ``--cubins DIR`` adds every
+``*.cubin`` there (CUDA C++ builds) as ``kind: "csrc"``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ four: 3×3 and 1×1, stride 1 and 2) instead of one compile per layer. Triton sp
 equal to 1 and 16-divisible ints and strides, which is what turns channels_last loads into 16-byte
 vector loads; that matters for channel counts and strides only, so the spatial sizes and row counts
 (M, H, W, P, Q, …) are ``do_not_specialize``: a 56² and a 28² layer share one compilation (the
-split-K count is a runtime value too), which halves the compilations of a ResNet.
+split-K count is a runtime value too): 1924 → 1162 compilations in the static report.
 
 Tensors (logical shapes; every activation is addressed through its (n, h, w, c) strides, so NCHW and
 channels_last inputs and expanded gradients are read in place):

@@ -90,12 +90,13 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype) -> GemmConfig:
         return GemmConfig(_p2(Kg, 16, 256), _p2(Cg, 16, 256), _p2(M, 16, 4096))
     wide = 64 if dtype == torch.float32 else 128
     block_m, block_n = _p2(Kg, 64, wide), _p2(Cg, 16, wide)  # ≥ 64 rows: wgmma's minimum M on sm_90
-    if block_m * block_n >= 128 * 128:  # 128×128×64 spills 48 bytes on sm_80 with split-K (static report)
+    tile = block_m * block_n
+    if tile >= 128 * 128:  # 128×128×64 spills 48 bytes on sm_80 with split-K (static report)
         return GemmConfig(block_m, block_n, 32, 8, 4)
-    if block_m * block_n >= 64 * 128:  # 4 warps: 255 registers on sm_80, a spill away from the limit
-        return GemmConfig(block_m, block_n, 32 if dtype == torch.float32 else 64, 8, 3)
-    # 3 stages on a ≤ 64×32 tile: ptxas spills a value on sm_80 at 96 registers; 4 stages take 112, none
-    return GemmConfig(block_m, block_n, 32 if dtype == torch.float32 else 64, 4, 3 if block_m * block_n > 64 * 32 else 4)
+    block_k = 32 if dtype == torch.float32 else 64
+    # Static report, sm_80: 64×128 with 4 warps sits at 255 registers and spills; a ≤ 64×32 tile with 3
+    # stages spills one value at 96 registers (4 stages take 112, none).
+    return GemmConfig(block_m, block_n, block_k, 8 if tile >= 64 * 128 else 4, 4 if tile <= 64 * 32 else 3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -708,8 +709,8 @@ class TritonPlan:
                 scratch[0] if n_dx else None, xin, *sx, pack, coef, *rres, *tgt, u.M_in, n_dx,
                 *job1, n_red1, *job2,
                 H=H, W=W, C=C, HAS_RES=rres[0] is not None, IDX64=self.idx64,
-                K1=K, CG1=C // g.groups, R1=g.kernel[0], S1=g.kernel[1], SPLIT1=u.split if n_red1 else 1, HAS_RED1=n_red1 > 0,
-                K2=K2, CG2=C, SPLIT2=self.proj_split if n_red2 else 1, HAS_RED2=n_red2 > 0,
+                K1=K, CG1=C // g.groups, R1=g.kernel[0], S1=g.kernel[1], SPLIT1=u.split, HAS_RED1=n_red1 > 0,
+                K2=K2, CG2=C, SPLIT2=self.proj_split, HAS_RED2=n_red2 > 0,
                 BLOCK_M=bm, BLOCK_C=bc, BLOCK_E=_FOLD_BLOCK, num_warps=4,
             )
         if kind == EXTERNAL:
