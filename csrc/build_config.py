@@ -1,5 +1,5 @@
 """Build settings of the ``fused_preact._C`` CUDA extension, shared by ``setup.py``, the JIT loader
-(``fused_preact.ops._cuda.jit_load``) and the CI compile check (``.ci/compile_csrc.sh``).
+(``fused_preact.ops.cuda.ext.jit_load``) and the CI compile check (``.ci/compile_csrc.sh``).
 
 Two kinds of sources (see csrc/README.md):
     common  ``*.cpp`` and ``*.cu`` except ``sm90_*``: compiled for every architecture in the list;

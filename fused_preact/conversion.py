@@ -311,7 +311,6 @@ class FusedSequential(nn.Sequential):
 
     def _apply(self, fn, recurse=True):
         self._plans.clear()
-        self._specs.clear()
         return super()._apply(fn, recurse)
 
     def __getitem__(self, idx):

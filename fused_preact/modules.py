@@ -35,6 +35,7 @@ from fused_preact.ops import (
     run_chain,
     select_backend,
 )
+from fused_preact.ops.chain import ChainResult
 from fused_preact.ops.sync_stats import sync_bn_statistics, sync_enabled
 
 __all__ = ["FusedBNReLUConv2d", "FusedPreActBlock", "FusedPreActBottleneck", "FusedModuleBase", "bottleneck_width",
@@ -85,24 +86,39 @@ def _tensors(units: list, proj: Optional[nn.Conv2d], residual: Optional[torch.Te
     return t
 
 
-def _spec(owner: nn.Module, units: list, proj: Optional[nn.Conv2d], proj_out: str, residual: str) -> ChainSpec:
-    key = (tuple(id(c) for _, c in units), id(proj), proj_out, residual)
-    spec = owner._specs.get(key)
-    if spec is None:
-        spec = owner._specs[key] = ChainSpec(tuple(ConvGeom.of(c) for _, c in units),
-                                             ConvGeom.of(proj) if proj is not None else None, proj_out, residual)
-    return spec
+def _spec(units: list, proj: Optional[nn.Conv2d], proj_out: str, residual: str) -> ChainSpec:
+    """The chain's structure from the convs' current attributes (read on every call: a conv's stride,
+    padding or dilation may change between calls, e.g. to change a network's output stride)."""
+    return ChainSpec(tuple(ConvGeom.of(c) for _, c in units), ConvGeom.of(proj) if proj is not None else None,
+                     proj_out, residual)
+
+
+def _hook_reasons(units: list, proj: Optional[nn.Conv2d]) -> list[str]:
+    """Hooks that must see plain ``bn(x)`` / ``conv(a)`` module calls (the fused path makes none)."""
+    mods = [m for pair in units for m in pair] + ([proj] if proj is not None else [])
+    reasons = []
+    for m in mods:
+        kinds = [k for k in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+                 if getattr(m, k, None)]
+        if kinds:
+            reasons.append(f"{type(m).__name__} child has {', '.join(k.strip('_').replace('_', ' ') for k in kinds)}")
+    mm = nn.modules.module
+    if (mm._global_forward_hooks or mm._global_forward_pre_hooks or mm._global_backward_hooks
+            or mm._global_backward_pre_hooks):
+        reasons.append("global module hooks are registered")
+    return [f"hooks: {'; '.join(reasons)} (the fused path calls no child module; running them as eager does)"] \
+        if reasons else []
 
 
 def run_units(owner: nn.Module, x: torch.Tensor, units: list, proj: Optional[nn.Conv2d] = None,
               proj_out: str = "add", residual: Residual = None, in_stats: Optional[StatsHandoff] = None,
-              want_stats: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[StatsHandoff]]:
+              want_stats: bool = False) -> ChainResult:
     """Run ``units`` — ``[(bn_0, conv_0), …]``, each ``conv_i(relu(bn_i(·)))`` on the previous output —
     as one fused chain, with a pre-activation block's shortcut.
 
     Args:
         owner: the fused module; its ``backend`` is requested, its ``last_backend`` and
-            ``fallback_reason`` record what ran, its caches hold the plans.
+            ``fallback_reason`` record what ran, its ``_plans`` cache holds the plans.
         x: (N, C, H, W) input of ``bn_0``.
         units: (BatchNorm2d, Conv2d) pairs.
         proj: a 1×1 conv on ``relu(bn_0(x))`` (projection shortcut), added to the output
@@ -112,23 +128,24 @@ def run_units(owner: nn.Module, x: torch.Tensor, units: list, proj: Optional[nn.
             batch statistics on the Triton path). want_stats: return the output's partial statistics.
 
     Returns:
-        ``(out, proj_out, stats)`` (proj_out and stats None unless asked for and available).
+        :class:`ChainResult` ``(out, proj_out, stats)`` (proj_out and stats None unless asked for and
+        available).
 
     Raises:
         ValueError / RuntimeError: PyTorch's input errors; a forced backend that cannot serve the input.
     """
     convs = [c for _, c in units] + ([proj] if proj is not None else [])
-    conv_reasons = [r for c in convs for r in _conv_reasons(c)]
-    if conv_reasons:
+    eager_reasons = [r for c in convs for r in _conv_reasons(c)] + _hook_reasons(units, proj)
+    if eager_reasons:
         if owner.backend not in ("auto", "reference"):
             raise RuntimeError(f"fused_preact: backend={owner.backend!r} cannot serve this module: "
-                               + "; ".join(conv_reasons))
-        _record(owner, "reference", "; ".join(conv_reasons), x)
+                               + "; ".join(eager_reasons))
+        _record(owner, "reference", "; ".join(eager_reasons), x)
         return _eager_units(x, units, proj, proj_out, residual)
     if any(sync_enabled(bn) for bn, _ in units):
         return _synchronized_units(owner, x, units, proj, proj_out, residual)
     kind = residual if isinstance(residual, str) or residual is None else "tensor"
-    spec = _spec(owner, units, proj, proj_out, kind or "none")
+    spec = _spec(units, proj, proj_out, kind or "none")
     modes = tuple(bn_mode(bn) for bn, _ in units)
     t = _tensors(units, proj, residual if kind == "tensor" else None, modes)
     if in_stats is not None and modes[0].kind == BATCH:
@@ -155,8 +172,8 @@ def _eager_units(x, units, proj, proj_out, residual):
         h = conv(a)
     p = proj(a0) if proj is not None else None
     if proj_out == "return":
-        return _add_shortcut(h, x, None, residual), p, None
-    return _add_shortcut(h, x, p, residual), None, None
+        return ChainResult(_add_shortcut(h, x, None, residual), p)
+    return ChainResult(_add_shortcut(h, x, p, residual))
 
 
 def _synchronized_units(owner, x, units, proj, proj_out, residual):
@@ -166,7 +183,7 @@ def _synchronized_units(owner, x, units, proj, proj_out, residual):
     h, p = x, None
     for i, (bn, conv) in enumerate(units):
         unit_proj = proj if i == 0 else None
-        spec = _spec(owner, [(bn, conv)], unit_proj, "return", "none")
+        spec = _spec([(bn, conv)], unit_proj, "return", "none")
         mode = bn_mode(bn)
         if sync_enabled(bn):
             if mode.update:
@@ -186,15 +203,18 @@ def _synchronized_units(owner, x, units, proj, proj_out, residual):
         if i == 0 and proj is not None:
             p = result.proj_out
     if proj_out == "return":
-        return _add_shortcut(h, x, None, residual), p, None
-    return _add_shortcut(h, x, p, residual), None, None
+        return ChainResult(_add_shortcut(h, x, None, residual), p)
+    return ChainResult(_add_shortcut(h, x, p, residual))
 
 
 def _record(owner: nn.Module, name: str, reason: Optional[str], x: torch.Tensor) -> None:
+    """Set ``owner.last_backend`` / ``fallback_reason``; a new fallback reason is warned on CUDA and
+    logged on the ``fused_preact`` logger otherwise — except while ``torch.compile`` traces (logging
+    would break the graph; the attributes still record what the compiled graph runs)."""
     if owner.last_backend != name or owner.fallback_reason != reason:
         owner.last_backend = name
         owner.fallback_reason = reason
-        if reason is not None:
+        if reason is not None and not torch.compiler.is_compiling():
             msg = f"fused_preact: {type(owner).__name__} runs the {name} path: {reason}"
             if x.device.type == "cuda":
                 warnings.warn(msg, stacklevel=3)
@@ -226,14 +246,15 @@ def run_blocks(blocks: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
             x, stats = blk(x), None
             continue
         want = i + 1 < len(blocks) and chained[i + 1] and bn_mode(blocks[i + 1].bn1).kind == BATCH
-        x, stats = blk._run(x, stats, want)
+        x, _, stats = run_units(blk, x, blk._units(), blk.shortcut, residual=blk._residual(), in_stats=stats,
+                                want_stats=want)
     return x
 
 
 class FusedModuleBase(nn.Module):
     """Common state of the fused modules: the requested backend, what ran last and why, and the
-    per-input-signature caches (plans, chain structures), cleared whenever the module's parameters
-    move or change dtype (``_apply``: ``.to()``, ``.cuda()``, ``.half()`` …)."""
+    per-input-signature plan cache, cleared whenever the module's parameters move or change dtype
+    (``_apply``: ``.to()``, ``.cuda()``, ``.half()`` …)."""
 
     def __init__(self, backend: str):
         super().__init__()
@@ -241,7 +262,6 @@ class FusedModuleBase(nn.Module):
 
     def _apply(self, fn, recurse=True):
         self._plans.clear()
-        self._specs.clear()
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
@@ -255,7 +275,6 @@ def init_fused_state(module: nn.Module, backend: str) -> None:
     module.last_backend = None
     module.fallback_reason = None
     module._plans = PlanCache()
-    module._specs = PlanCache()
 
 
 def backend_path(module: nn.Module) -> str:
@@ -385,7 +404,7 @@ class FusedBNReLUConv2d(FusedModuleBase):
         return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return run_units(self, x, [(self.bn, self.conv)])[0]
+        return run_units(self, x, [(self.bn, self.conv)]).out
 
 
 class FusedPreActBlock(FusedModuleBase):
@@ -418,14 +437,11 @@ class FusedPreActBlock(FusedModuleBase):
     def _units(self) -> list[tuple[nn.BatchNorm2d, nn.Conv2d]]:
         return [(self.bn1, self.conv1), (self.bn2, self.conv2)]
 
-    def _run(self, x, in_stats=None, want_stats=False):
-        out, _, stats = run_units(self, x, self._units(), proj=self.shortcut,
-                                  residual=None if self.shortcut is not None else "input",
-                                  in_stats=in_stats, want_stats=want_stats)
-        return out, stats
+    def _residual(self) -> Optional[str]:
+        return None if self.shortcut is not None else "input"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run(x)[0]
+        return run_units(self, x, self._units(), self.shortcut, residual=self._residual()).out
 
 
 class FusedPreActBottleneck(FusedModuleBase):
@@ -453,10 +469,8 @@ class FusedPreActBottleneck(FusedModuleBase):
     def _units(self) -> list[tuple[nn.BatchNorm2d, nn.Conv2d]]:
         return [(self.bn1, self.conv1), (self.bn2, self.conv2), (self.bn3, self.conv3)]
 
-    _run = FusedPreActBlock._run
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run(x)[0]
+    _residual = FusedPreActBlock._residual
+    forward = FusedPreActBlock.forward
 
 
 def convert_sync_batchnorm(model: nn.Module, process_group=None) -> nn.Module:

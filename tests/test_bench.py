@@ -285,8 +285,8 @@ def test_layer_harness_computes_the_unit_and_its_gradients(host_harness):
 @pytest.fixture(params=["extension-built", "extension-missing"])
 def cuda_extension(request, monkeypatch):
     """Either state of ``fused_preact._C`` whatever this machine has: loaded or not (the dispatcher asks
-    ``fused_preact.ops._cuda.available()``)."""
-    from fused_preact.ops import _cuda
+    ``fused_preact.ops.cuda.ext.available()``)."""
+    from fused_preact.ops.cuda import ext as _cuda
 
     built = request.param == "extension-built"
     monkeypatch.setattr(_cuda, "available", lambda: built)

@@ -1,9 +1,9 @@
-"""The CUDA C++ backend (``csrc/`` → ``fused_preact._C``) and its Python glue (``fused_preact.ops._cuda``).
+"""The CUDA C++ backend (``csrc/`` → ``fused_preact._C``) and its Python glue (``fused_preact.ops.cuda.ext``).
 
 CPU tests cover the glue where the extension is not built: lazy loading, refusal reasons, build
 settings. ``gpu`` tests compare the CUTLASS kernels with a float64 PyTorch reference; they run where
 a CUDA device and the built extension are present (``pip install --no-build-isolation -e .`` or
-``fused_preact.ops._cuda.jit_load()``).
+``fused_preact.ops.cuda.ext.jit_load()``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cuda_glue():
-    return importlib.import_module("fused_preact.ops._cuda")
+    return importlib.import_module("fused_preact.ops.cuda.ext")
 
 
 def _build_config():
@@ -41,7 +41,7 @@ def test_import_is_lazy_and_queries_no_gpu():
         "import torch, sys\n"
         "def boom(*a, **k): raise AssertionError('GPU queried at import')\n"
         "torch.cuda.is_available = boom; torch.cuda.get_device_capability = boom; torch.cuda.device_count = boom\n"
-        "import fused_preact, fused_preact.ops._cuda as cu\n"
+        "import fused_preact, fused_preact.ops.cuda.ext as cu\n"
         "assert cu._loaded is None, cu._loaded\n"
         "assert 'fused_preact._C' not in sys.modules\n"
     )

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
-import fused_preact.ops._triton as triton_plans
+import fused_preact.ops.triton.plan as triton_plans
 from conftest import DEVICE
 from fused_preact import FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottleneck
 from fused_preact.models import PreActBlock, PreActBottleneck

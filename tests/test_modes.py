@@ -172,7 +172,7 @@ class _LaunchSpy:
 
 def _count_statistics_passes(monkeypatch) -> list:
     """Shapes of the activations the standalone statistics kernel reads (one entry per pass)."""
-    import fused_preact.ops._bn_kernels as bn_kernels
+    import fused_preact.ops.triton.kernels_bn as bn_kernels
 
     calls: list = []
     monkeypatch.setattr(bn_kernels, "_stats_partial_kernel", _LaunchSpy(bn_kernels._stats_partial_kernel, calls))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fused_preact.ops._triton as triton_plans
+import fused_preact.ops.triton.plan as triton_plans
 import fused_preact.ops.bn_relu_conv as op_mod
 from conftest import DEVICE
 from fused_preact.ops import bn_relu_conv2d, bn_relu_conv2d_reference
@@ -139,7 +139,7 @@ def test_momentum_one_and_zero():
 @pytest.mark.parametrize("split", [2, 3])
 def test_wgrad_split_k(monkeypatch, split):
     """The deterministic split-K path of the wgrad kernel (used on GPUs for long reductions)."""
-    monkeypatch.setattr(triton_plans, "_wgrad_split", lambda m_total, tiles, block_k, device: split)
+    monkeypatch.setattr(triton_plans, "wgrad_split", lambda m_total, tiles, block_k, device: split)
     monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())  # plans are cached: start from none
     _run(SHAPES[0], True, True, torch.float32)
     _run(SHAPES[7], True, False, torch.float32)

@@ -25,7 +25,7 @@ def _op_args(module, units, proj, residual, channels_last: bool, train: bool):
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     x.requires_grad_()
-    spec = _spec(module, units, proj, "add", residual)
+    spec = _spec(units, proj, "add", residual)
     modes = tuple(dataclasses.replace(bn_mode(bn), update=False) for bn, _ in units)
     t = _tensors(units, proj, None, modes)
     tensors = []

@@ -12,12 +12,12 @@ import textwrap
 import pytest
 import torch
 
-import fused_preact.ops._triton as triton_plans
+import fused_preact.ops.triton.plan as triton_plans
 from conftest import DEVICE
 from fused_preact import FusedPreActBlock
 from fused_preact.models import PreActBlock
-from fused_preact.ops import _tuning
-from fused_preact.ops._triton import GemmConfig, candidates
+from fused_preact.ops.triton import tuning as _tuning
+from fused_preact.ops.triton.configs import GemmConfig, candidates
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="tunes through the interpreter with a stand-in timer")
 
@@ -71,8 +71,8 @@ def test_second_process_reuses_the_cache(tmp_path):
     assert got == cfg
     code = textwrap.dedent("""
         import sys
-        from fused_preact.ops import _tuning
-        from fused_preact.ops._triton import GemmConfig
+        from fused_preact.ops.triton import tuning as _tuning
+        from fused_preact.ops.triton.configs import GemmConfig
         def never(cfg):
             raise SystemExit("timed a candidate although the cache has the key")
         cache = _tuning.cache_for("cpu")

@@ -29,8 +29,8 @@ cuDNN's runtime-fusion graph scale→bias→relu→conv_fprop→genstats through
 nvidia-cudnn-frontend (``import cudnn``), skipped with the reason where that fails; there is no
 backward graph.
 
-The Triton launches are the records of a one-unit :class:`fused_preact.ops._triton.TritonPlan`
-(:meth:`~fused_preact.ops._triton.TritonPlan.recording`, as the static report and the tile tuner use
+The Triton launches are the records of a one-unit :class:`fused_preact.ops.triton.plan.TritonPlan`
+(:func:`fused_preact.ops.triton.launch.recording`, as the static report and the tile tuner use
 them): exactly the ``fn[grid](*args)`` the op makes, with the tiles the op's plan picks (tuned on a
 GPU unless ``FUSED_PREACT_AUTOTUNE=0``). What a kernel reads that other launches make — the BN pack
 (scale, shift, mean, invstd) from the statistics and finalize launches — is made once, untimed.
@@ -229,8 +229,9 @@ class KernelBench:
         statistics and finalize launches of each entry run once here, so the pack holds real values."""
         if self._triton_sets is not None:
             return self._triton_sets
-        from fused_preact.ops._triton import TritonPlan
-        from fused_preact.ops.chain_spec import BATCH, BNMode, ChainSpec, ChainTensors, ConvGeom
+        from fused_preact.ops.spec import BATCH, BNMode, ChainSpec, ChainTensors, ConvGeom, GradNeeds
+        from fused_preact.ops.triton.launch import recording
+        from fused_preact.ops.triton.plan import TritonPlan
 
         u = self.u
         spec = ChainSpec((ConvGeom(u.C, u.K, (u.R, u.S), self.stride, self.padding, self.dilation, self.groups),))
@@ -241,16 +242,16 @@ class KernelBench:
         t = ChainTensors([self.weight], [None], [self.gamma], [self.beta], [None], [None], [None], [0.1], [self.eps])
         sets = []
         for x, dy in zip(self.xs, self.dys):
-            with plan.recording() as fwd:
-                y, _, inputs, aux, _, _ = plan.forward(x, t)
+            with recording() as fwd:
+                out = plan.forward(x, t)
             for launch in fwd:  # statistics → finalize → fprop: the pack the backward kernels read
                 launch()
-            with plan.recording() as bwd_dx:  # dx wanted, no dW: dgrad (+ the sums' fold and the dx pass)
-                plan.backward(dy, None, inputs, aux, t.weights, None, True, [False], [False], False, [torch.float32])
-            with plan.recording() as bwd_w:  # dW only: wgrad (+ the split-K fold), nothing else
-                _, dws, *_ = plan.backward(dy, None, inputs, aux, t.weights, None, False, [True], [False], False, [None])
-            sets.append(dict(fprop=_only(fwd, "fprop"), dgrad=_only(bwd_dx, "dgrad"), wgrad=list(bwd_w), y=y, dw=dws[0],
-                             x=x, dy=dy))
+            with recording() as bwd_dx:  # dx wanted, no dW: dgrad (+ the sums' fold and the dx pass)
+                plan.backward(dy, None, out.saved, t.weights, None, GradNeeds(True, (False,), (False,), (torch.float32,)))
+            with recording() as bwd_w:  # dW only: wgrad (+ the split-K fold), nothing else
+                grads = plan.backward(dy, None, out.saved, t.weights, None, GradNeeds(False, (True,), (False,), (None,)))
+            sets.append(dict(fprop=_only(fwd, "fprop"), dgrad=_only(bwd_dx, "dgrad"), wgrad=list(bwd_w), y=out.out,
+                             dw=grads.weights[0], x=x, dy=dy))
             names = [launch.name for launch in bwd_w]
             if names not in (["wgrad"], ["wgrad", "dx"]):
                 raise RuntimeError(f"fused_preact.bench: a dW-only backward recorded {names}, expected the wgrad "

@@ -1,13 +1,13 @@
 """Job provider of the static report for the fused chains: every Triton launch a block can make.
 
 For each distinct pre-activation block of the requested models (:func:`fused_preact.bench.shapes.
-enumerate_blocks`) and each dtype, a :class:`fused_preact.ops._triton.TritonPlan` is built on the meta
+enumerate_blocks`) and each dtype, a :class:`fused_preact.ops.triton.plan.TritonPlan` is built on the meta
 device (nothing is allocated) and its forward and backward are *recorded* instead of launched
-(:meth:`TritonPlan.recording`): the records are exactly the ``fn[grid](*args, **kwargs)`` calls a GPU
+(:func:`fused_preact.ops.triton.launch.recording`): the records are exactly the ``fn[grid](*args, **kwargs)`` calls a GPU
 would run, so the report compiles what runs. Recorded per block and dtype:
 
     train and eval mode (BN finalize modes, dgrad's eval epilogue), channels_last input;
-    the heuristic default tiles and every autotune candidate (:func:`fused_preact.ops._triton.candidates`,
+    the heuristic default tiles and every autotune candidate (:func:`fused_preact.ops.triton.configs.candidates`,
     clamped per unit, as the tuner clamps them), each applied to every conv of the block;
     the wgrad K-split a GPU of each arch would choose (132 SMs on sm_90, 108 on sm_80), besides 1;
     the output statistics epilogue on (a block followed by another) and off (the last block).
@@ -69,18 +69,20 @@ def _meta_tensors(spec, dtype):
 
 def _record(spec, modes, x_shape, dtype, out_stats: bool, overrides=None, split: Optional[int] = None):
     """The Launch records of one forward + backward of the chain (meta device: nothing runs)."""
-    from fused_preact.ops._triton import TritonPlan
+    from fused_preact.ops.spec import GradNeeds
+    from fused_preact.ops.triton.launch import recording
+    from fused_preact.ops.triton.plan import TritonPlan
 
     x = torch.empty(x_shape, device="meta", dtype=dtype).contiguous(memory_format=torch.channels_last)
     plan = TritonPlan(spec, modes, x.shape, x.stride(), dtype, x.device, dtype, False, out_stats,
                       overrides=overrides, split=split, tune=False)
     t = _meta_tensors(spec, dtype)
-    with plan.recording() as launches:
-        out, _, inputs, aux, _, _ = plan.forward(x, t)
-        dy = torch.empty(out.shape, device="meta", dtype=dtype).contiguous(memory_format=torch.channels_last)
+    with recording() as launches:
+        fwd = plan.forward(x, t)
+        dy = torch.empty(fwd.out.shape, device="meta", dtype=dtype).contiguous(memory_format=torch.channels_last)
         n = len(spec.convs)
-        plan.backward(dy, None, inputs, aux, t.weights, t.proj_weight, True, [True] * n, [False] * n,
-                      spec.proj is not None, [torch.float32] * n)
+        plan.backward(dy, None, fwd.saved, t.weights, t.proj_weight,
+                      GradNeeds(True, (True,) * n, (False,) * n, (torch.float32,) * n, spec.proj is not None))
     return plan, launches
 
 
@@ -106,7 +108,7 @@ def _variant(rec) -> str:
 def chain_jobs(units: Sequence[UnitShape], dtypes: Sequence[torch.dtype]) -> list[StaticJob]:
     """Every launch of the fused chains for the blocks that contain ``units`` (module docstring)."""
     from fused_preact.ops import BATCH, RUNNING, BNMode
-    from fused_preact.ops._triton import candidates
+    from fused_preact.ops.triton.configs import candidates
 
     wanted = {n for u in units for n in u.names}
     batch = units[0].N if units else 128
@@ -149,7 +151,7 @@ def _unit_candidates(kind: str, u, dtype, candidates) -> list:
 
 def _gpu_split(plan, sms: int) -> int:
     """The largest wgrad K-split a GPU with ``sms`` SMs picks for a unit of ``plan`` (see
-    :func:`fused_preact.ops._triton._wgrad_split`)."""
+    :func:`fused_preact.ops.triton.configs.wgrad_split`)."""
     best = 1
     for u in plan.units:
         g = u.geom

@@ -2,17 +2,19 @@
 
     bn_relu_conv2d, bn_relu_conv2d_reference    one unit, ``F.batch_norm`` + ``F.conv2d`` arguments
     batch_stats, batch_stats_reference          per-channel (mean, biased var) in fp32
-    ChainSpec, ConvGeom, BNMode, ChainTensors   what a chain computes (ops.chain_spec)
-    run_chain, select_backend, BACKENDS         running a chain on a backend (ops.backends)
+    ChainSpec, ConvGeom, BNMode, ChainTensors   what a chain computes (:mod:`.spec`)
+    run_chain, select_backend, BACKENDS         running a chain on a backend (:mod:`.backends`)
 
-Layering: modules → ops → kernels (``_conv_kernels``, ``_bn_kernels``); nothing here imports the
-modules, models or the dispatch report.
+Layout: backend-neutral ``spec`` (structure, typed hand-offs, validation) → ``chain`` (autograd,
+reference) → ``backends`` (protocol, registry, dispatch) and ``library`` (torch.compile custom ops);
+one folder per backend: ``triton/`` (kernels, tile configs, launchers, plan) and ``cuda/`` (the
+``csrc/`` extension's glue and plan). Nothing here imports the modules, models or reports.
 """
 
 from fused_preact.ops.backends import BACKENDS, PRIORITY, BackendChoice, PlanCache, run_chain, select_backend
 from fused_preact.ops.bn_relu_conv import bn_relu_conv2d, bn_relu_conv2d_reference
 from fused_preact.ops.chain import ChainResult
-from fused_preact.ops.chain_spec import BATCH, EXTERNAL, RUNNING, BNMode, ChainSpec, ChainTensors, ConvGeom, StatsHandoff
+from fused_preact.ops.spec import BATCH, EXTERNAL, RUNNING, BNMode, ChainSpec, ChainTensors, ConvGeom, StatsHandoff
 from fused_preact.ops.stats import batch_stats, batch_stats_reference
 
 __all__ = [

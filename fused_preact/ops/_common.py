@@ -15,12 +15,26 @@ except ImportError:  # pragma: no cover - the package requires triton; kept so t
 
 __all__ = [
     "triton", "tl", "triton_mode", "interpreting", "pair", "conv_out_size", "wants_channels_last",
-    "nhwc_strides", "dot_dtype", "input_precision", "compute_dtype", "IntOr2",
+    "nhwc_strides", "dot_dtype", "input_precision", "compute_dtype", "autocast_enabled", "IntOr2",
 ]
 
 IntOr2 = Union[int, Sequence[int]]
 
-_TRITON_MODE: Optional[str] = None
+def _probe_mode() -> str:
+    if triton is None:
+        return "missing"
+    from triton.runtime.interpreter import InterpretedFunction
+
+    @triton.jit
+    def _probe(x):
+        pass
+
+    return "interpreter" if isinstance(_probe, InterpretedFunction) else "compiled"
+
+
+#: Decided once, when the op layer is imported — the moment its kernels are built, so the two agree:
+#: ``TRITON_INTERPRET=1`` set later does not turn compiled kernels into interpreted ones.
+_TRITON_MODE: str = _probe_mode()
 
 
 @torch.compiler.assume_constant_result
@@ -28,23 +42,11 @@ def triton_mode() -> str:
     """How Triton kernels can run in this process.
 
     Returns:
-        ``"missing"`` if ``triton`` cannot be imported, ``"interpreter"`` if its interpreter is active
-        (``TRITON_INTERPRET=1`` was set before triton was first imported; kernels then run on CPU
-        tensors only), otherwise ``"compiled"`` (CUDA tensors only). Fixed for the life of the
-        process, so ``torch.compile`` treats it as a constant.
+        ``"missing"`` if ``triton`` cannot be imported, ``"interpreter"`` if its interpreter was active
+        when fused_preact's kernels were built (``TRITON_INTERPRET=1`` set before ``fused_preact.ops``
+        was first imported; kernels then run on CPU tensors only), otherwise ``"compiled"`` (CUDA
+        tensors only). Fixed for the life of the process, so ``torch.compile`` treats it as a constant.
     """
-    global _TRITON_MODE
-    if _TRITON_MODE is None:
-        if triton is None:
-            _TRITON_MODE = "missing"
-        else:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            @triton.jit
-            def _probe(x):
-                pass
-
-            _TRITON_MODE = "interpreter" if isinstance(_probe, InterpretedFunction) else "compiled"
     return _TRITON_MODE
 
 
@@ -111,10 +113,16 @@ def input_precision(dtype: torch.dtype) -> str:
 _AUTOCASTABLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled(device_type)``, False for device types autocast does not know
+    (``meta``), where torch's own query raises."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a convolution on ``x`` runs in: the autocast dtype of x's device type when autocast
     is enabled there and x is a castable float (as ``F.conv2d`` under ``torch.autocast``), else x's."""
     dev = x.device.type
-    if x.dtype in _AUTOCASTABLE and torch.is_autocast_enabled(dev):
+    if x.dtype in _AUTOCASTABLE and autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return x.dtype

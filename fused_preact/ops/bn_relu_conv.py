@@ -1,6 +1,6 @@
 """Functional BatchNorm → ReLU → Conv2d: ``y = conv2d(relu(batch_norm(x)), W, b)`` in one fused unit.
 
-Order: reference → functional. The unit is a one-conv chain (:mod:`fused_preact.ops.chain_spec`); the
+Order: reference → functional. The unit is a one-conv chain (:mod:`fused_preact.ops.spec`); the
 dataflow follows docs/design.md: statistics, then the fprop kernel's prologue turns each x tile into
 ``a = max(x·scale + shift, 0)`` before the MMA; backward recomputes the ReLU mask and BN's sums in
 the dgrad epilogue, dx in one elementwise pass, and ``a`` again in the wgrad prologue. Saved for
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from fused_preact.ops._common import IntOr2
 from fused_preact.ops.backends import PlanCache, run_chain
-from fused_preact.ops.chain_spec import BATCH, RUNNING, BNMode, ChainSpec, ChainTensors, ConvGeom
+from fused_preact.ops.spec import BATCH, RUNNING, BNMode, ChainSpec, ChainTensors, ConvGeom
 
 __all__ = ["bn_relu_conv2d", "bn_relu_conv2d_reference"]
 
@@ -65,17 +65,24 @@ def bn_relu_conv2d(
         (N, K, P, Q) tensor of the compute dtype (x's, or the autocast dtype under autocast).
 
     Raises:
-        RuntimeError: a forced backend cannot serve x (the message says why); PyTorch's input errors.
-        ValueError: training with one value per channel; unknown backend name; bad geometry.
+        RuntimeError: a forced backend cannot serve x (the message says why); eval mode without
+            ``running_mean``/``running_var``; PyTorch's input errors.
+        ValueError: training with one value per channel, with only one of the running buffers, or with
+            ``eps <= 0``; unknown backend name; bad geometry.
     """
+    # F.batch_norm's own argument checks, in its order and with its messages.
+    if training and (running_mean is None) != (running_var is None):
+        raise ValueError("running_mean and running_var must either both be None or neither be None")
+    if not training:
+        for name, buf in (("running_mean", running_mean), ("running_var", running_var)):
+            if buf is None:
+                raise RuntimeError(f"{name} must be defined in evaluation mode")
     if (bn_weight is None) != (bn_bias is None):  # F.batch_norm's defaults for the missing half: γ = 1, β = 0
         C = x.shape[1]
         bn_weight = bn_weight if bn_weight is not None else torch.ones(C, device=x.device, dtype=bn_bias.dtype)
         bn_bias = bn_bias if bn_bias is not None else torch.zeros(C, device=x.device, dtype=bn_weight.dtype)
     spec = ChainSpec((ConvGeom.from_args(weight, bias, stride, padding, dilation, groups),))
-    use_batch = training or (running_mean is None and running_var is None)
-    mode = BNMode(BATCH if use_batch else RUNNING, bn_weight is not None,
-                  training and running_mean is not None and running_var is not None, False)
+    mode = BNMode(BATCH if training else RUNNING, bn_weight is not None, training and running_mean is not None, False)
     t = ChainTensors([weight], [bias], [bn_weight], [bn_bias], [running_mean], [running_var], [None], [momentum],
                      [eps])
     result, _ = run_chain(backend, _PLANS, spec, x, t, (mode,))

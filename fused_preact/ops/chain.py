@@ -2,11 +2,12 @@
 
 A whole chain — a pre-activation block's residual branch with its shortcut, or one unit — is ONE
 autograd node (:class:`ChainFunction`): its forward enqueues every kernel of the chain from one Python
-call, its backward likewise, and it saves only the units' inputs, the weights and fp32 per-channel
-buffers. Under ``torch.compile`` the same plans run behind opaque custom ops
+call, its backward likewise, and it saves only the units' inputs, the weights, the BN weights (so
+autograd's version counters catch an in-place change between forward and backward, as eager's do) and
+fp32 per-channel buffers. Under ``torch.compile`` the same plans run behind opaque custom ops
 (:mod:`fused_preact.ops.library`), so Dynamo traces no Python of the op layer.
 
-Order of this file: reference → autograd → functional entry.
+Order of this file: reference → autograd.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from fused_preact.ops.chain_spec import BATCH, EXTERNAL, BNMode, ChainSpec, ChainTensors, StatsHandoff, add_shortcut
+from fused_preact.ops.spec import (BATCH, EXTERNAL, RUNNING, BNMode, ChainSpec, ChainTensors, GradNeeds, SavedChain,
+                                   StatsHandoff, add_shortcut)
 
-__all__ = ["ChainResult", "ChainFunction", "reference_chain", "fused_chain", "differentiable_slots"]
+__all__ = ["ChainResult", "ChainFunction", "reference_chain", "differentiable_slots"]
 
 
 class ChainResult(NamedTuple):
@@ -59,8 +61,9 @@ def _preact_reference(x: torch.Tensor, t: ChainTensors, i: int, mode: BNMode) ->
 
 def reference_chain(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BNMode, ...]) -> ChainResult:
     """The chain in plain PyTorch (``F.batch_norm`` → ``F.relu`` → ``F.conv2d`` per unit, then the
-    shortcut): the semantics every fused backend reproduces, for any device and dtype PyTorch serves.
-    Running statistics and ``num_batches_tracked`` change exactly as ``nn.BatchNorm2d`` changes them."""
+    shortcut): the semantics every fused backend reproduces, for any device and dtype PyTorch serves,
+    differentiable to any order. Running statistics and ``num_batches_tracked`` change exactly as
+    ``nn.BatchNorm2d`` changes them."""
     h = x
     a0 = None
     for i, g in enumerate(spec.convs):
@@ -73,91 +76,132 @@ def reference_chain(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tu
 
 
 # -------------------------------------------------------------------------------------- autograd
-#: Differentiable tensors of a chain call, in the order :class:`ChainFunction` takes them after x:
-#: per unit (weight, bias, γ, β), then the projection weight, the residual tensor and the external
-#: statistics (mean, invstd).
+_PER_UNIT = ("weights", "biases", "gammas", "betas")
+
+
 def differentiable_slots(t: ChainTensors) -> list:
-    flat = []
-    for i in range(len(t.weights)):
-        flat += [t.weights[i], t.biases[i], t.gammas[i], t.betas[i]]
+    """The differentiable tensors of a chain call, in the order :class:`ChainFunction` takes them after
+    x: per unit (weight, bias, γ, β), then the projection weight, the residual tensor and the external
+    statistics (mean, invstd). Absent ones are None."""
+    flat = [getattr(t, name)[i] for i in range(len(t.weights)) for name in _PER_UNIT]
     return flat + [t.proj_weight, t.residual, t.ext_mean, t.ext_invstd]
 
 
 def _with_slots(t: ChainTensors, flat) -> ChainTensors:
+    """``t`` with the slots of :func:`differentiable_slots` replaced by ``flat`` (autograd's views)."""
     n = len(t.weights)
-    return dataclasses.replace(
-        t, weights=list(flat[0:4 * n:4]), biases=list(flat[1:4 * n:4]), gammas=list(flat[2:4 * n:4]),
-        betas=list(flat[3:4 * n:4]), proj_weight=flat[4 * n], residual=flat[4 * n + 1],
-        ext_mean=flat[4 * n + 2], ext_invstd=flat[4 * n + 3])
+    per = {name: list(flat[j:4 * n:4]) for j, name in enumerate(_PER_UNIT)}
+    proj_weight, residual, ext_mean, ext_invstd = flat[4 * n:4 * n + 4]
+    return dataclasses.replace(t, **per, proj_weight=proj_weight, residual=residual, ext_mean=ext_mean,
+                               ext_invstd=ext_invstd)
+
+
+def _slot_needs(needs_input_grad, n: int, bn_dtypes) -> tuple[GradNeeds, bool, bool]:
+    """(the :class:`GradNeeds` of the per-unit slots, residual wanted, external statistics wanted) from
+    autograd's flags of ``ChainFunction.forward``'s inputs (plan, t, x, *slots)."""
+    f = needs_input_grad[3:]
+    unit = [f[4 * i:4 * i + 4] for i in range(n)]
+    bn = tuple(bn_dtypes[i] if (w[2] or w[3]) else None for i, w in enumerate(unit))
+    needs = GradNeeds(bool(needs_input_grad[2]), tuple(bool(w[0]) for w in unit), tuple(bool(w[1]) for w in unit),
+                      bn, bool(f[4 * n]))
+    return needs, bool(f[4 * n + 1]), bool(f[4 * n + 2] or f[4 * n + 3])
 
 
 class ChainFunction(torch.autograd.Function):
     """One autograd node for a whole fused chain (eager path of the fused backends).
 
-    ``apply(plan, t, x, *differentiable_slots(t))``: ``plan`` has ``forward(x, t)`` and ``backward(...)``
-    (:class:`fused_preact.ops._triton.TritonPlan`); ``t`` carries the non-differentiable buffers
-    (running statistics, counters, momenta, handed-over statistics). Returns ``out``, then the
-    projection's output when returned separately, then the output's partial statistics when asked
-    for (non-differentiable).
+    ``apply(plan, t, x, *differentiable_slots(t))``: ``plan`` implements
+    :class:`fused_preact.ops.backends.Plan`; ``t`` carries the non-differentiable buffers (running
+    statistics, counters, momenta, handed-over statistics). Returns ``out``, then the projection's
+    output when returned separately, then the output's partial statistics when asked for
+    (non-differentiable).
+
+    Saved: the units' inputs, the plan's per-channel buffers, the conv weights and, as eager's
+    ``batch_norm`` saves them, γ and (eval mode) the running statistics, so autograd's version counters
+    catch an in-place change between forward and backward. A backward with ``create_graph=True``
+    (double backward, e.g. a gradient penalty) recomputes the chain with the differentiable reference
+    ops from the saved inputs and differentiates that, so second-order gradients are those of eager
+    PyTorch; a plain backward runs the plan's fused kernels.
     """
 
     @staticmethod
     def forward(ctx, plan, t: ChainTensors, x: torch.Tensor, *flat):
         t = _with_slots(t, flat)
-        out, proj_out, inputs, aux, handoff, _ = plan.forward(x, t)
+        fwd = plan.forward(x, t)
+        saved = fwd.saved
         n = len(t.weights)
-        ctx.plan, ctx.n_inputs, ctx.n_aux = plan, len(inputs), len(aux)
+        running = [i for i, m in enumerate(plan.modes) if m.kind == RUNNING]
+        ctx.plan, ctx.n_inputs, ctx.n_aux, ctx.n_units = plan, len(saved.inputs), len(saved.aux), n
         ctx.bn_dtypes = [g.dtype if g is not None else None for g in t.gammas]
-        ctx.save_for_backward(*inputs, *aux, *t.weights, t.proj_weight)
+        ctx.gamma_slots = [i for i, g in enumerate(t.gammas) if g is not None]
+        ctx.running_slots = running
+        ctx.save_for_backward(*saved.inputs, *saved.aux, *t.weights, t.proj_weight,
+                              *[t.gammas[i] for i in ctx.gamma_slots],
+                              *[v for i in running for v in (t.running_means[i], t.running_vars[i])])
+        # For a double backward only (not version-checked, as eager does not check them either).
+        ctx.biases, ctx.betas, ctx.residual = t.biases, t.betas, t.residual
+        ctx.ext = (t.ext_mean, t.ext_invstd)
+        ctx.eps = list(t.eps)
         ctx.set_materialize_grads(False)
-        ctx.has_proj_out = proj_out is not None
-        del n
-        outs = [out]
-        if proj_out is not None:
-            outs.append(proj_out)
-        if handoff is not None:
-            ctx.mark_non_differentiable(handoff.part)
-            outs.append(handoff.part)
-        return tuple(outs) if len(outs) > 1 else out
+        ctx.has_proj_out = fwd.proj_out is not None
+        outs = [fwd.out]
+        if fwd.proj_out is not None:
+            outs.append(fwd.proj_out)
+        if fwd.stats is not None:
+            ctx.mark_non_differentiable(fwd.stats.part)
+            outs.append(fwd.stats.part)
+        return tuple(outs) if len(outs) > 1 else fwd.out
 
     @staticmethod
     def backward(ctx, dy, *rest):
-        plan = ctx.plan
-        n = len(plan.units)
-        saved = ctx.saved_tensors
+        plan, n = ctx.plan, ctx.n_units
+        tensors = ctx.saved_tensors
         k = ctx.n_inputs + ctx.n_aux
-        inputs, aux, weights, proj_w = list(saved[:ctx.n_inputs]), list(saved[ctx.n_inputs:k]), saved[k:k + n], saved[-1]
+        saved = SavedChain(list(tensors[:ctx.n_inputs]), list(tensors[ctx.n_inputs:k]))
+        weights, proj_w = list(tensors[k:k + n]), tensors[k + n]
         dy_proj = rest[0] if ctx.has_proj_out else None
         if dy is None and dy_proj is None:
             return (None,) * (3 + 4 * n + 4)
         if dy is None:
-            dy = inputs[0].new_zeros(plan.out_shape, dtype=plan.out_dtype)
+            dy = saved.inputs[0].new_zeros(plan.out_shape, dtype=plan.out_dtype)
         if ctx.has_proj_out and dy_proj is None:
-            dy_proj = inputs[0].new_zeros(plan.proj_shape, dtype=plan.cdtype)
-        needs = ctx.needs_input_grad[3:]
-        bn_dtypes = [ctx.bn_dtypes[i] if (needs[4 * i + 2] or needs[4 * i + 3]) else None for i in range(n)]
-        dx, dws, dbs, dgs, dbetas, dproj_w, dstats = plan.backward(
-            dy, dy_proj, inputs, aux, weights, proj_w, bool(ctx.needs_input_grad[2]),
-            [needs[4 * i] for i in range(n)], [needs[4 * i + 1] for i in range(n)], bool(needs[4 * n]), bn_dtypes)
-        grads = []
-        for i in range(n):
-            grads += [dws[i], dbs[i], dgs[i] if needs[4 * i + 2] else None, dbetas[i] if needs[4 * i + 3] else None]
-        grads += [dproj_w, dy if needs[4 * n + 1] else None]
-        grads += list(dstats) if dstats is not None else [None, None]
-        return (None, None, dx, *grads)
+            dy_proj = saved.inputs[0].new_zeros(plan.proj_shape, dtype=plan.cdtype)
+        if torch.is_grad_enabled():  # create_graph=True: second-order gradients through the reference
+            return (None, None, *_differentiable_backward(ctx, saved.inputs[0], weights, proj_w, tensors[k + n + 1:],
+                                                          dy, dy_proj))
+        needs, need_res, _ = _slot_needs(ctx.needs_input_grad, n, ctx.bn_dtypes)
+        g = plan.backward(dy, dy_proj, saved, weights, proj_w, needs)
+        flat = [v for i in range(n) for v in (g.weights[i], g.biases[i], g.gammas[i], g.betas[i])]
+        flat += [g.proj_weight, dy if need_res else None]
+        flat += list(g.ext_stats) if g.ext_stats is not None else [None, None]
+        return (None, None, g.dx, *flat)
 
 
-# ------------------------------------------------------------------------------------ functional
-def fused_chain(plan, x: torch.Tensor, t: ChainTensors) -> ChainResult:
-    """Run ``plan`` (a fused backend's plan) on x: through :class:`ChainFunction` when autograd must
-    record it, directly otherwise (no saved tensors)."""
-    flat = differentiable_slots(t)
-    if torch.is_grad_enabled() and (x.requires_grad or any(f is not None and f.requires_grad for f in flat)):
-        outs = ChainFunction.apply(plan, t, x, *flat)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        proj_out = outs[1] if plan.spec.proj is not None and plan.spec.proj_out == "return" else None
-        part = outs[-1] if plan.out_stats else None
-        stats = StatsHandoff(part, *plan.handoff_geometry()) if part is not None else None
-        return ChainResult(outs[0], proj_out, stats)
-    out, proj_out, _, _, handoff, _ = plan.forward(x, t)
-    return ChainResult(out, proj_out, handoff)
+def _differentiable_backward(ctx, x, weights, proj_w, extra, dy, dy_proj) -> list:
+    """Gradients of x and of every slot, as a differentiable graph: the chain recomputed with
+    :func:`reference_chain` (batch statistics recomputed, running statistics not updated again) from
+    the saved inputs, then ``torch.autograd.grad(..., create_graph=True)``."""
+    plan, n = ctx.plan, ctx.n_units
+    gammas: list = [None] * n
+    for j, i in enumerate(ctx.gamma_slots):
+        gammas[i] = extra[j]
+    rms: list = [None] * n
+    rvs: list = [None] * n
+    for j, i in enumerate(ctx.running_slots):
+        rms[i], rvs[i] = extra[len(ctx.gamma_slots) + 2 * j], extra[len(ctx.gamma_slots) + 2 * j + 1]
+    t = ChainTensors(weights, list(ctx.biases), gammas, list(ctx.betas), rms, rvs, [None] * n, [0.0] * n, ctx.eps,
+                     proj_w, ctx.residual, *ctx.ext)
+    modes = tuple(dataclasses.replace(m, update=False) for m in plan.modes)
+    slots = [x] + differentiable_slots(t)
+    wanted = [j for j, v in enumerate(slots) if v is not None and ctx.needs_input_grad[2 + j]]
+    with torch.enable_grad():
+        res = reference_chain(plan.spec, x, t, modes)
+    outs, gouts = [res.out], [dy]
+    if dy_proj is not None:
+        outs.append(res.proj_out)
+        gouts.append(dy_proj)
+    got = torch.autograd.grad(outs, [slots[j] for j in wanted], gouts, create_graph=True, allow_unused=True)
+    grads: list = [None] * len(slots)
+    for j, v in zip(wanted, got):
+        grads[j] = v if v is not None else torch.zeros_like(slots[j])
+    return grads

@@ -4,7 +4,7 @@ Eager calls never come here (they run :class:`fused_preact.ops.chain.ChainFuncti
 op costs tens of microseconds of dispatcher and Python per call). Under ``torch.compile`` the modules
 call :func:`compiled_chain`, which Dynamo traces: two custom ops with fake implementations and an
 autograd formula, ``fused_preact::chain_forward`` and ``fused_preact::chain_backward``, whose
-implementations run the same :class:`fused_preact.ops._triton.TritonPlan` as the eager path. The chain
+implementations run the same :class:`fused_preact.ops.triton.plan.TritonPlan` as the eager path. The chain
 structure travels as a string key (a ``repr`` of plain tuples, decoded with ``ast.literal_eval``), so a
 compiled graph needs no Python objects of ours. The running-statistics update (a mutation) is done
 outside the op in traced ATen code from the batch mean and variance the op returns in its ``aux``
@@ -22,9 +22,9 @@ from typing import Optional
 
 import torch
 
-from fused_preact.ops._triton import TritonPlan
 from fused_preact.ops.chain import ChainResult
-from fused_preact.ops.chain_spec import BNMode, ChainSpec, ChainTensors, ConvGeom
+from fused_preact.ops.spec import BNMode, ChainSpec, ChainTensors, ConvGeom, GradNeeds, SavedChain
+from fused_preact.ops.triton.plan import TritonPlan
 
 __all__ = ["compiled_chain", "encode_key", "decode_key"]
 
@@ -88,11 +88,12 @@ def _unpack(plan: TritonPlan, tensors, floats) -> ChainTensors:
 def _chain_forward(x: torch.Tensor, tensors: list[torch.Tensor], floats: list[float],
                    key: str) -> list[torch.Tensor]:
     plan = _plan(key, x)
-    out, proj_out, inputs, aux, _, base = plan.forward(x, _unpack(plan, tensors, floats))
-    for name, region in zip(plan.aux_names, aux):  # only the packs carry data: make the rest deterministic
+    fwd = plan.forward(x, _unpack(plan, tensors, floats))
+    for name, region in zip(plan.aux_names, fwd.saved.aux):  # only the packs carry data: the rest deterministic
         if not name.startswith("pack"):
             region.zero_()
-    return [out, proj_out if proj_out is not None else x.new_empty(0), base, *inputs[1:]]
+    proj_out = fwd.proj_out if fwd.proj_out is not None else x.new_empty(0)
+    return [fwd.out, proj_out, fwd.saved.aux_base, *fwd.saved.inputs[1:]]
 
 
 @_chain_forward.register_fake
@@ -120,14 +121,15 @@ def _chain_backward(dy: torch.Tensor, dy_proj: Optional[torch.Tensor], x: torch.
     weights = [tensors[_PER_UNIT * i] for i in range(n)]
     gammas = [tensors[_PER_UNIT * i + 2] for i in range(n)]
     proj_w = tensors[_PER_UNIT * n]
-    dx, dws, dbs, dgs, dbetas, dproj_w, dstats = plan.backward(
-        dy, dy_proj, [x, *intermediates], list(aux.clone().split(plan.aux_sizes)), weights, proj_w, True,
-        [True] * n, [plan.units[i].geom.bias for i in range(n)], proj_w is not None,
-        [g.dtype if g is not None else None for g in gammas])
-    flat = [dx]
+    needs = GradNeeds(True, (True,) * n, tuple(plan.units[i].geom.bias for i in range(n)),
+                      tuple(g.dtype if g is not None else None for g in gammas), proj_w is not None)
+    g = plan.backward(dy, dy_proj, SavedChain([x, *intermediates], list(aux.clone().split(plan.aux_sizes))), weights,
+                      proj_w, needs)
+    flat = [g.dx]
     for i in range(n):  # γ/β gradients are views of one buffer: a custom op's outputs may not alias
-        flat += [dws[i], dbs[i], _own(dgs[i]), _own(dbetas[i])]
-    flat += [dproj_w, *((_own(dstats[0]), _own(dstats[1])) if dstats is not None else (None, None))]
+        flat += [g.weights[i], g.biases[i], _own(g.gammas[i]), _own(g.betas[i])]
+    stats = g.ext_stats
+    flat += [g.proj_weight, *((_own(stats[0]), _own(stats[1])) if stats is not None else (None, None))]
     return [f if f is not None else x.new_empty(0) for f in flat]
 
 

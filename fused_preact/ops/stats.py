@@ -1,6 +1,6 @@
 """Per-channel batch statistics (mean, biased variance) of an activation, in fp32.
 
-Order: launcher → reference → functional (kernels: :mod:`fused_preact.ops._bn_kernels`). Inside a fused
+Order: launcher → reference → functional (kernels: :mod:`fused_preact.ops.triton.kernels_bn`). Inside a fused
 chain the statistics come from the producing convolution's epilogue; this standalone pass serves the
 BatchNorm whose input no fused conv produced, and synchronized BN's local statistics.
 """
@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from fused_preact.ops import _bn_kernels as BK
-from fused_preact.ops._common import interpreting, nhwc_strides, triton
+from fused_preact.ops._common import nhwc_strides, triton
+from fused_preact.ops.spec import BATCH, BNMode
+from fused_preact.ops.triton import launch
+from fused_preact.ops.triton.configs import INT32_MAX, max_offset
 
 __all__ = ["batch_stats", "batch_stats_reference"]
 
@@ -21,15 +23,11 @@ def _batch_stats_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     M = N * H * W
     rows = max(16, min(256, triton.next_power_of_2(M)))
     parts = triton.cdiv(M, rows)
-    block_c = max(16, min(256 if interpreting() else 64, triton.next_power_of_2(C)))
     part, pack = torch.empty(parts * 2 * C + 5 * C, device=x.device, dtype=torch.float32).split([parts * 2 * C, 5 * C])
-    big = sum((s - 1) * st for s, st in zip((N, H, W, C), nhwc_strides(x))) >= 2**31 - 1
-    BK._stats_partial_kernel[(parts, triton.cdiv(C, block_c))](
-        x, *nhwc_strides(x), part, M, H=H, W=W, C=C, IDX64=big, BLOCK_M=rows, BLOCK_C=block_c)
-    BK._finalize_kernel[(triton.cdiv(C, block_c),)](
-        part, parts, M, rows, 1.0, pack, None, None, None, None, None, 0.0, 0.0,
-        C=C, MODE=0, HAS_AFFINE=False, UPDATE_RUNNING=False, CUMULATIVE=False, INC_NBT=False,
-        BLOCK_C=block_c, BLOCK_P=max(16, min(1024, triton.next_power_of_2(parts))) if interpreting() else 32)
+    strides = nhwc_strides(x)
+    launch.stats_partial(x=x, x_strides=strides, part=part, shape=x.shape, rows=rows,
+                         idx64=max_offset(x.shape, strides) >= INT32_MAX)
+    launch.finalize(pack=pack, C=C, mode=BNMode(BATCH, False), part=part, num_parts=parts, count=M, rows=rows)
     return pack[:C], pack[C:2 * C]
 
 

@@ -1,7 +1,7 @@
-"""CUDA C++ backend: a chain composed of the extension's per-unit ops (:mod:`fused_preact.ops._cuda`).
+"""CUDA C++ backend: a chain composed of the extension's per-unit ops (:mod:`fused_preact.ops.cuda.ext`).
 
-:class:`CudaPlan` has the interface of :class:`fused_preact.ops._triton.TritonPlan`, so one autograd
-node (:class:`fused_preact.ops.chain.ChainFunction`) runs either. Per unit it calls the extension's
+:class:`CudaPlan` implements :class:`fused_preact.ops.backends.Plan`, so one autograd node
+(:class:`fused_preact.ops.chain.ChainFunction`) runs it as it runs the Triton plan. Per unit it calls the extension's
 statistics, fused fprop and fused backward; running statistics, the shortcut add and the sum of the
 two input-gradient contributions of conv1 and the projection are ATen ops (the extension has no
 epilogue fusions yet). BN's backward is linear in dz, so the projection's and conv1's contributions to
@@ -14,8 +14,9 @@ from typing import Optional
 
 import torch
 
-from fused_preact.ops import _cuda
-from fused_preact.ops.chain_spec import BATCH, EXTERNAL, RUNNING, BNMode, ChainSpec, ChainTensors, add_shortcut, chain_shapes
+from fused_preact.ops.cuda import ext as _cuda
+from fused_preact.ops.spec import (BATCH, EXTERNAL, RUNNING, BNMode, ChainForward, ChainGrads, ChainSpec, ChainTensors,
+                                   GradNeeds, SavedChain, add_shortcut, chain_shapes)
 
 __all__ = ["CudaPlan"]
 
@@ -54,8 +55,9 @@ class CudaPlan:
                 rv.copy_(rv * (1 - f) + (var * (count / (count - 1))).to(rv.dtype) * f)
         return mean, torch.rsqrt(var + t.eps[i])
 
-    def forward(self, x: torch.Tensor, t: ChainTensors):
-        """See :meth:`fused_preact.ops._triton.TritonPlan.forward` (no statistics handoff)."""
+    def forward(self, x: torch.Tensor, t: ChainTensors) -> ChainForward:
+        """The chain's forward (no statistics handoff); saved: the units' inputs and per unit (mean,
+        invstd, γ, β)."""
         spec, cd = self.spec, self.cdtype
         h, inputs, aux = x, [x], []
         for i, g in enumerate(spec.convs):
@@ -72,12 +74,12 @@ class CudaPlan:
             p = _cuda.fprop(x.to(cd), t.proj_weight.detach(), None, aux[0], aux[1], aux[2], aux[3],
                             list(spec.proj.stride), [0, 0], [1, 1], 1)
         h, proj_out = add_shortcut(spec, h, p, x, t)
-        return h, proj_out, inputs, aux, None, None
+        return ChainForward(h, proj_out, SavedChain(inputs, aux))
 
-    def backward(self, dy, dy_proj, inputs, aux, weights, proj_weight, need_dx, need_w, need_b, need_proj_w,
-                 bn_dtypes):
-        """See :meth:`fused_preact.ops._triton.TritonPlan.backward`."""
+    def backward(self, dy, dy_proj, saved: SavedChain, weights, proj_weight, needs: GradNeeds) -> ChainGrads:
+        """Gradients of the chain (see :class:`fused_preact.ops.backends.Plan`)."""
         spec, cd = self.spec, self.cdtype
+        inputs, aux = saved.inputs, saved.aux
         n = len(spec.convs)
         dws, dbs, dgs, dbetas = [None] * n, [None] * n, [None] * n, [None] * n
         dproj_w = dstats = None
@@ -95,18 +97,18 @@ class CudaPlan:
                 dxp, dwp, _, pzx, pz = _cuda.backward(src, xi, proj_weight, mean, invstd, gamma, beta,
                                                       list(spec.proj.stride), [0, 0], [1, 1], 1, batch, False)
                 dxi, sdzx, sdz = dxi + dxp, sdzx + pzx, sdz + pz
-                dproj_w = dwp.to(proj_weight.dtype) if need_proj_w else None
-            dws[i] = dw.to(weights[i].dtype) if need_w[i] else None
-            dbs[i] = db if need_b[i] else None
-            if bn_dtypes[i] is not None:
-                dgs[i], dbetas[i] = sdzx.to(bn_dtypes[i]), sdz.to(bn_dtypes[i])
+                dproj_w = dwp.to(proj_weight.dtype) if needs.proj_weight else None
+            dws[i] = dw.to(weights[i].dtype) if needs.weights[i] else None
+            dbs[i] = db if needs.biases[i] else None
+            if needs.bn_dtypes[i] is not None:
+                dgs[i], dbetas[i] = sdzx.to(needs.bn_dtypes[i]), sdz.to(needs.bn_dtypes[i])
             if self.modes[i].kind == EXTERNAL:
                 scale = invstd * (gamma.float() if gamma is not None else 1.0)
                 gam = gamma.float() if gamma is not None else torch.ones_like(invstd)
                 dstats = (-scale * sdz, gam * sdzx / invstd)
             g_out = dxi
         dx = None
-        if need_dx:
+        if needs.dx:
             dx = g_out + dy if spec.residual == "input" else g_out
             dx = dx.to(inputs[0].dtype)
-        return dx, dws, dbs, dgs, dbetas, dproj_w, dstats
+        return ChainGrads(dx, dws, dbs, dgs, dbetas, dproj_w, dstats)

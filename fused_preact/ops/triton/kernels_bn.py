@@ -24,13 +24,17 @@ def tile_mean_m2(v, mask, rows, out_ptr, out_mask, C):
     """Store the per-column mean (at ``out_ptr``) and M2 = Σ(v − mean)² (at ``out_ptr + C``) of the
     ``rows`` valid rows of the fp32 tile ``v`` (invalid entries masked out by ``mask``), by the
     corrected two-pass algorithm (Chan, Golub & LeVeque 1983: the second pass's Σd repairs the first
-    mean)."""
+    mean). M2 is +inf when Σ(v − mean)² overflows fp32, NaN for NaN or infinite entries."""
     count = rows.to(tl.float32)
     v = tl.where(mask, v, 0.0)
     mean0 = tl.sum(v, axis=0) / count
     d = tl.where(mask, v - mean0[None, :], 0.0)
     s1 = tl.sum(d, axis=0)
-    m2 = tl.maximum(tl.sum(d * d, axis=0) - s1 * s1 / count, 0.0)
+    ss = tl.sum(d * d, axis=0)
+    m2 = ss - (s1 / count) * s1
+    # Rounding can make the corrected sum slightly negative (→ 0). A NaN comes from an overflowed Σd²
+    # (inf − inf: the variance is inf, as eager's) or from NaN/inf inputs (NaN): Σd² itself says which.
+    m2 = tl.where(m2 >= 0.0, m2, tl.where(m2 < 0.0, 0.0, ss))
     # An infinite value makes Σd NaN: keep the plain mean then (±inf, as a sum-based mean gives).
     mean = tl.where(tl.abs(mean0) < float("inf"), mean0 + s1 / count, mean0)
     tl.store(out_ptr, mean, mask=out_mask)

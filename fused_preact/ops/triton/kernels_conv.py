@@ -9,7 +9,7 @@ four: 3×3 and 1×1, stride 1 and 2) instead of one compile per layer. Triton sp
 equal to 1 and 16-divisible ints and strides, which is what turns channels_last loads into 16-byte
 vector loads; that matters for channel counts and strides only, so the spatial sizes and row counts
 (M, H, W, P, Q, …) are ``do_not_specialize``: a 56² and a 28² layer share one compilation (the
-split-K count is a runtime value too): 1924 → 1162 compilations in the static report.
+split-K count is a runtime value too).
 
 Tensors (logical shapes; every activation is addressed through its (n, h, w, c) strides, so NCHW and
 channels_last inputs and expanded gradients are read in place):
@@ -27,7 +27,7 @@ Source of the dataflow: docs/design.md; semantics: ``F.batch_norm`` → ``F.relu
 
 from __future__ import annotations
 
-from fused_preact.ops._bn_kernels import tile_mean_m2
+from fused_preact.ops.triton.kernels_bn import tile_mean_m2
 from fused_preact.ops._common import tl, triton
 
 # Rows of a pack: per-channel fp32 vectors of one BatchNorm, written by the finalize kernel.
@@ -52,9 +52,10 @@ def _scale_shift(pack_ptr, chans, cmask, C):
 
 @triton.jit
 def _preact(xt, sc, sh, mask):
-    """``relu(x·scale + shift)`` of a loaded x tile in fp32, zero where ``mask`` is False (padding,
-    tails): the padded taps of the conv input are zeros of the pre-activation."""
-    a = _relu_nan(xt.to(tl.float32) * sc[None, :] + sh[None, :])
+    """``relu(x·scale + shift)`` of a loaded x tile in fp32 (one fused multiply-add: a single rounding,
+    as eager's ``x·alpha + beta`` batch norm), zero where ``mask`` is False (padding, tails): the padded
+    taps of the conv input are zeros of the pre-activation."""
+    a = _relu_nan(tl.fma(xt.to(tl.float32), sc[None, :], sh[None, :]))
     return tl.where(mask, a, 0.0)
 
 
@@ -301,7 +302,7 @@ def _dgrad_kernel(
     mu = tl.load(pack_ptr + c_in, mask=n_mask, other=0.0)
     istd = tl.load(pack_ptr + 2 * C + c_in, mask=n_mask, other=0.0)
     sc, sh = _scale_shift(pack_ptr, c_in, n_mask, C)
-    z = xt * sc[None, :] + sh[None, :]
+    z = tl.fma(xt, sc[None, :], sh[None, :])
     dz = tl.where(tile_mask & ~(z <= 0.0), acc, 0.0)
     orow = nb * son + hi * soh + wi * sow
     optr = out_ptr + orow[:, None] + c_in[None, :] * soc

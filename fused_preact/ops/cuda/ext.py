@@ -12,9 +12,9 @@ CUDA kernels for the batch statistics and the BN backward:
   masking/reduction kernel). Its ops live in the ``fused_preact`` namespace with a ``cuda_`` prefix
 (``torch.ops.fused_preact.cuda_fprop`` ...; schemas in ``csrc/fused_preact.cpp``).
 
-:func:`fprop` and :func:`backward` have exactly the signatures and semantics of the Triton backend's
-``_fprop_triton`` / ``_backward_triton`` in ``fused_preact.ops.bn_relu_conv``, so the two backends are
-interchangeable under the same custom op and modules, and save the same tensors (x, W, (C,) vectors).
+:func:`fprop` and :func:`backward` are one unit's fused forward and backward; :class:`fused_preact.ops.cuda.plan.CudaPlan`
+composes them into a chain with the interface of the Triton backend's plan, so both run under the same
+autograd node and save the same tensors (x, W, (C,) vectors).
 
 Nothing here runs at import: the extension is located and loaded on the first call of
 :func:`available` (or any op), and the GPU is only queried by :func:`not_supported_reasons` for a
@@ -83,7 +83,7 @@ def _try_load() -> bool:
                 if spec is None or spec.origin is None:
                     raise ImportError(
                         "fused_preact._C is not built (install with a CUDA-enabled torch, nvcc and nvidia-cutlass: "
-                        "`pip install --no-build-isolation -e .`, or call fused_preact.ops._cuda.jit_load())"
+                        "`pip install --no-build-isolation -e .`, or call fused_preact.ops.cuda.ext.jit_load())"
                     )
                 torch.ops.load_library(spec.origin)
                 if not _ops_registered():
@@ -176,7 +176,7 @@ def jit_load(verbose: bool = False) -> None:
 
 
 def _build_config():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "csrc", "build_config.py")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "csrc", "build_config.py")
     if not os.path.isfile(path):
         raise RuntimeError(f"fused_preact: jit_load needs the source checkout's csrc/ (not found at {path})")
     spec = importlib.util.spec_from_file_location("fused_preact_build_config", path)

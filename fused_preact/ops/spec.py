@@ -21,10 +21,11 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn as nn
 
-from fused_preact.ops._common import conv_out_size, pair
+from fused_preact.ops._common import autocast_enabled, conv_out_size, pair
 
-__all__ = ["ConvGeom", "ChainSpec", "BNMode", "ChainTensors", "StatsHandoff", "BATCH", "RUNNING", "EXTERNAL",
-           "validate_chain", "chain_shapes", "add_shortcut"]
+__all__ = ["ConvGeom", "ChainSpec", "BNMode", "ChainTensors", "StatsHandoff", "SavedChain", "ChainForward",
+           "GradNeeds", "ChainGrads", "BATCH", "RUNNING", "EXTERNAL", "validate_chain", "chain_shapes",
+           "add_shortcut"]
 
 #: BatchNorm modes of a unit: statistics of this batch, running statistics (eval), or statistics given
 #: from outside (synchronized BN; their gradients are returned instead of folded into dx).
@@ -138,6 +139,76 @@ class ChainTensors:
     in_stats: Optional[StatsHandoff] = None
 
 
+@dataclasses.dataclass
+class SavedChain:
+    """What a fused plan's forward keeps for its backward (nothing else of the forward survives).
+
+    Attributes:
+        inputs: every unit's input: the chain input x as given, then the intermediates (the plan's
+            layout, e.g. flat NHWC in the compute dtype).
+        aux: the plan's per-unit per-channel buffers (fp32 (C,)-sized regions: statistics, scale/shift,
+            partial sums), views of ``aux_base`` where the plan allocates them in one buffer.
+        aux_base: that buffer, or None.
+    """
+
+    inputs: list
+    aux: list
+    aux_base: Optional[torch.Tensor] = None
+
+
+@dataclasses.dataclass
+class ChainForward:
+    """What a plan's forward returns.
+
+    Attributes:
+        out: (N, K, P, Q) chain output, in the input's memory format.
+        proj_out: the projection's output when ``spec.proj_out == "return"``, else None.
+        saved: the :class:`SavedChain` for the backward.
+        stats: the output's partial statistics when the plan was built with ``out_stats``, else None.
+    """
+
+    out: torch.Tensor
+    proj_out: Optional[torch.Tensor]
+    saved: SavedChain
+    stats: Optional[StatsHandoff] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GradNeeds:
+    """Which gradients a backward must produce (autograd's ``needs_input_grad``, per unit).
+
+    Attributes:
+        dx: the chain input's. weights, biases: per unit, the conv weight's and bias's.
+        bn_dtypes: per unit, the dtype of γ's and β's gradients, or None where they are not wanted.
+        proj_weight: the projection shortcut's weight's.
+    """
+
+    dx: bool
+    weights: tuple
+    biases: tuple
+    bn_dtypes: tuple
+    proj_weight: bool = False
+
+
+@dataclasses.dataclass
+class ChainGrads:
+    """Gradients of a chain (None where not wanted).
+
+    Attributes:
+        dx: like the chain input. weights, biases, gammas, betas: per unit (conv weight/bias, BN γ/β).
+        proj_weight: the projection weight's. ext_stats: for an EXTERNAL bn_0, (∂L/∂mean, ∂L/∂invstd),
+            each (C,) fp32.
+    """
+
+    dx: Optional[torch.Tensor]
+    weights: list
+    biases: list
+    gammas: list
+    betas: list
+    proj_weight: Optional[torch.Tensor] = None
+    ext_stats: Optional[tuple] = None
+
+
 def chain_shapes(spec: ChainSpec, x_shape) -> list[tuple[int, int, int, int]]:
     """(N, C, H, W) of every unit's input followed by the chain output's, for an input of ``x_shape``."""
     N, C, H, W = x_shape
@@ -161,7 +232,7 @@ def validate_chain(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tup
         raise ValueError(f"expected 4D input (got {x.dim()}D input)")
     if not x.is_floating_point():
         raise RuntimeError(f"fused_preact: expected a floating-point input, got {x.dtype}")
-    autocast = torch.is_autocast_enabled(x.device.type)
+    autocast = autocast_enabled(x.device.type)
     shape = tuple(x.shape)
     shapes = [shape]
     for i, (g, w, b) in enumerate(zip(spec.convs, t.weights, t.biases)):

@@ -1,0 +1,211 @@
+"""Tile rules of the Triton backend: default tiles per kernel, the pruned autotune spaces, the
+wgrad split-K rule, the per-unit launch geometry (:class:`UnitPlan`) and layout helpers.
+
+Every config here is one the static SASS report (``python -m tools.static_report``) compiles for
+sm_90 and sm_80; CI fails when one of them spills.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from fused_preact.ops._common import interpreting, triton
+from fused_preact.ops.spec import BNMode, ConvGeom
+
+__all__ = ["GemmConfig", "UnitPlan", "fprop_config", "dgrad_config", "wgrad_config", "candidates", "wgrad_split",
+           "p2", "contig_nhwc", "out_strides", "nhwc_strides_of", "is_channels_last", "max_offset",
+           "INTERP_SUM_ROWS", "FOLD_BLOCK", "INT32_MAX"]
+
+INT32_MAX = 2**31 - 1
+#: Rows per statistics tile under the interpreter: its sums are sequential in fp32, so tiles stay short.
+INTERP_SUM_ROWS = 4096
+#: Weight-gradient entries per program of the split-K fold.
+FOLD_BLOCK = 1024
+
+
+def p2(n: int, lo: int, hi: int) -> int:
+    """The power of two ≥ ``n``, clamped to ``[lo, hi]``."""
+    return max(lo, min(hi, triton.next_power_of_2(max(int(n), 1))))
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and launch options of one implicit-GEMM kernel (blocks are powers of two ≥ 16)."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def label(self) -> str:
+        return f"{self.BLOCK_M}x{self.BLOCK_N}x{self.BLOCK_K}_w{self.num_warps}_s{self.num_stages}"
+
+
+def _gpu_gemm(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
+    if dtype == torch.float32:  # fp32 operands (TF32 MMA) need twice the registers: 64×64 tiles
+        return GemmConfig(64, p2(n, 16, 64), p2(k, 16, 32), 4, 4)
+    block_m = 128 if m >= 8 * 128 else 64
+    block_n = p2(n, 16, 128)
+    block_k = p2(k, 16, 64)
+    # 8 warps from 128×64 up: with 4 warps a 128×64×64 tile needs 255 registers (no margin).
+    warps = 8 if block_m * block_n >= 128 * 64 else 4
+    return GemmConfig(block_m, block_n, block_k, warps, 3)
+
+
+def fprop_config(M: int, Kg: int, Cg: int, dtype: torch.dtype, stats: bool) -> GemmConfig:
+    """Default fprop tiles for an (M × Cg·R·S)·(… × Kg) implicit GEMM (M = N·P·Q output pixels)."""
+    if interpreting():
+        return GemmConfig(p2(M, 16, INTERP_SUM_ROWS if stats else 4096), p2(Kg, 16, 256), p2(Cg, 16, 256))
+    return _gpu_gemm(M, Kg, Cg, dtype)
+
+
+def dgrad_config(M: int, Cg: int, Kg: int, dtype: torch.dtype) -> GemmConfig:
+    """Default dgrad tiles (M = N·H·W input pixels, N = Cg, reduction over taps × Kg). 64-row tiles:
+    the epilogue holds the accumulator, x, the mask and x̂ at once, and 128-row tiles sit at the
+    255-register limit (they spill on sm_80 in bf16 and on sm_90 in fp32)."""
+    if interpreting():
+        return GemmConfig(p2(M, 16, INTERP_SUM_ROWS), p2(Cg, 16, 256), p2(Kg, 16, 256))
+    fp32 = dtype == torch.float32
+    return GemmConfig(64, p2(Cg, 16, 64 if fp32 else 128), p2(Kg, 16, 32 if fp32 else 64), 4, 3)
+
+
+def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype) -> GemmConfig:
+    """Default wgrad tiles: BLOCK_M over output channels, BLOCK_N over input channels, BLOCK_K over
+    the reduction (N·P·Q rows)."""
+    if interpreting():
+        return GemmConfig(p2(Kg, 16, 256), p2(Cg, 16, 256), p2(M, 16, 4096))
+    wide = 64 if dtype == torch.float32 else 128
+    block_m, block_n = p2(Kg, 64, wide), p2(Cg, 16, wide)  # ≥ 64 rows: wgmma's minimum M on sm_90
+    tile = block_m * block_n
+    if tile >= 128 * 128:  # 128×128×64 spills 48 bytes on sm_80 with split-K
+        return GemmConfig(block_m, block_n, 32, 8, 4)
+    block_k = 32 if dtype == torch.float32 else 64
+    # sm_80: 64×128 with 4 warps sits at 255 registers and spills; a ≤ 64×32 tile with 3 stages
+    # spills one value at 96 registers (4 stages take 112, none).
+    return GemmConfig(block_m, block_n, block_k, 8 if tile >= 64 * 128 else 4, 4 if tile <= 64 * 32 else 3)
+
+
+#: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of fprop; BLOCK_K halves for fp32 operands. No spills on
+#: sm_90 or sm_80 in any epilogue variant.
+_FPROP_SPACE = ((128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 8, 3), (128, 64, 32, 8, 4),
+                (64, 64, 64, 4, 4), (64, 64, 32, 4, 4))
+#: dgrad: 64-row tiles (its epilogue holds accumulator, x, mask and x̂ at once; 128-row tiles spill).
+_DGRAD_SPACE = ((64, 128, 64, 4, 3), (64, 128, 32, 4, 4), (64, 64, 64, 4, 4), (64, 64, 32, 4, 5))
+#: wgrad: (output channels, input channels, rows) per tile.
+_WGRAD_SPACE = ((128, 128, 32, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 8, 4), (64, 64, 64, 4, 4),
+                (64, 64, 128, 4, 3))
+
+
+def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype) -> list[GemmConfig]:
+    """The pruned tile space of a conv kernel for an (m × k)·(k × n) GEMM (``kind``: fprop, dgrad
+    or wgrad; for wgrad m is the output channels, n the input channels, k the rows): blocks clamped to
+    the problem (powers of two ≥ 16), duplicates removed."""
+    half = 2 if dtype == torch.float32 else 1
+    space = {"fprop": _FPROP_SPACE, "dgrad": _DGRAD_SPACE, "wgrad": _WGRAD_SPACE}[kind]
+    out: list[GemmConfig] = []
+    for bm, bn, bk, warps, stages in space:
+        if half == 2 and (bm > 64 or bn > 64):  # fp32 operands: 64×64 tiles at most
+            continue
+        bm, bn = min(bm, p2(m, 64, bm)), min(bn, p2(n, 16, bn))
+        # A tile clamped below 128×64 has too few operand elements for 8 warps (16-bit scalar loads,
+        # e.g. a 16×16 weight tile over 256 threads), so it runs with 4.
+        cfg = GemmConfig(bm, bn, min(bk // half, p2(k, 16, bk // half)), 4 if bm * bn < 128 * 64 else warps, stages)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def wgrad_split(M: int, tiles: int, block_r: int, device: torch.device) -> int:
+    """K-split of a wgrad reduction over ``M`` rows with ``tiles`` output tiles: about two programs per
+    SM on a GPU, one under the interpreter or on a meta/CPU device."""
+    if interpreting() or device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(64, 2 * sms // max(tiles, 1), M // (8 * block_r)))
+
+
+# ------------------------------------------------------------------------------------- layouts
+def contig_nhwc(shape) -> tuple[int, int, int, int]:
+    """(n, h, w, c) strides of an NHWC-contiguous tensor of logical (N, C, H, W) ``shape``."""
+    _, C, H, W = shape
+    return (H * W * C, W * C, C, 1)
+
+
+def out_strides(shape, channels_last: bool) -> tuple[int, int, int, int]:
+    """(n, h, w, c) strides of a new (N, C, H, W) tensor in channels_last or NCHW-contiguous format."""
+    N, C, H, W = shape
+    return contig_nhwc(shape) if channels_last else (C * H * W, W, 1, H * W)
+
+
+def nhwc_strides_of(strides) -> tuple[int, int, int, int]:
+    """(n, h, w, c) strides from logical (N, C, H, W) ``strides``."""
+    sn, sc, sh, sw = strides
+    return sn, sh, sw, sc
+
+
+def is_channels_last(shape, strides) -> bool:
+    """Whether a tensor of ``shape``/``strides`` is channels_last and not NCHW-contiguous (the output
+    rule of :func:`fused_preact.ops._common.wants_channels_last`)."""
+    t = torch.empty_strided(shape, strides, device="meta")
+    return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+
+
+def max_offset(shape, strides) -> int:
+    """Largest element offset of a logical (N, C, H, W) tensor with (n, h, w, c) ``strides``."""
+    N, C, H, W = shape
+    return sum((s - 1) * abs(st) for s, st in zip((N, H, W, C), strides))
+
+
+# ------------------------------------------------------------------------------------ per unit
+@dataclasses.dataclass
+class UnitPlan:
+    """One conv of a chain as its launches see it: geometry, shapes, (n, h, w, c) strides of its input
+    and output, BN mode, tiles per kernel, the wgrad K-split and whether its epilogue writes the
+    statistics of its output (for the next BatchNorm)."""
+
+    geom: ConvGeom
+    in_shape: tuple
+    out_shape: tuple
+    in_strides: tuple
+    out_strides: tuple
+    mode: BNMode
+    fcfg: GemmConfig
+    dcfg: GemmConfig
+    wcfg: GemmConfig
+    split: int
+    stats_out: bool
+
+    @property
+    def M_in(self) -> int:
+        N, _, H, W = self.in_shape
+        return N * H * W
+
+    @property
+    def M_out(self) -> int:
+        N, _, P, Q = self.out_shape
+        return N * P * Q
+
+    def dgrad_tiles(self) -> tuple[int, int]:
+        """(row tiles per phase, phases) of the dgrad grid: a strided, undilated conv runs by phases."""
+        g = self.geom
+        N, _, H, W = self.in_shape
+        sh, sw = g.stride
+        if max(sh, sw) > 1 and g.dilation == (1, 1):
+            return triton.cdiv(N * triton.cdiv(H, sh) * triton.cdiv(W, sw), self.dcfg.BLOCK_M), sh * sw
+        return triton.cdiv(self.M_in, self.dcfg.BLOCK_M), 1
+
+    def wgrad_tiles(self) -> int:
+        """Output tiles of the wgrad grid without split-K (k-blocks × c-blocks × taps × groups)."""
+        g = self.geom
+        Cg, Kg = self.in_shape[1] // g.groups, self.out_shape[1] // g.groups
+        return (triton.cdiv(Kg, self.wcfg.BLOCK_M) * triton.cdiv(Cg, self.wcfg.BLOCK_N) * g.kernel[0] * g.kernel[1]
+                * g.groups)

@@ -1,0 +1,238 @@
+"""Launchers of the Triton backend: one function per kernel, tensors and strides by name.
+
+Each launcher derives the grid and the kernel's constexprs from a :class:`~.configs.UnitPlan` (or
+explicit sizes) and launches on the current stream — or, inside :func:`recording`, appends a
+:class:`Launch` record instead (the static SASS report and the per-kernel benchmark replay or
+compile those records). Activations are addressed through their (n, h, w, c) strides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator, Optional
+
+import torch
+
+from fused_preact.ops._common import dot_dtype, input_precision, interpreting, triton
+from fused_preact.ops.spec import BNMode, ConvGeom
+from fused_preact.ops.triton import kernels_bn as BK
+from fused_preact.ops.triton import kernels_conv as CK
+from fused_preact.ops.triton.configs import FOLD_BLOCK, GemmConfig, UnitPlan, p2
+
+__all__ = ["Launch", "recording", "stats_partial", "finalize", "fprop", "dgrad", "wgrad", "dx"]
+
+
+@dataclasses.dataclass
+class Launch:
+    """One kernel launch: ``fn[grid](*args, **kwargs)`` (kwargs: constexprs, num_warps, num_stages)."""
+
+    name: str
+    fn: object
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+    def __call__(self) -> None:
+        self.fn[self.grid](*self.args, **self.kwargs)
+
+
+_recorder: Optional[list] = None
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list]:
+    """``with recording() as launches: plan.forward(...)`` lists the :class:`Launch` records a call
+    would make instead of making them (not thread-safe: a development tool)."""
+    global _recorder
+    outer, _recorder = _recorder, []
+    try:
+        yield _recorder
+    finally:
+        _recorder = outer
+
+
+def _record(name: str, fn, grid: tuple, args: tuple, kwargs: dict) -> None:
+    _recorder.append(Launch(name, fn, grid, args, kwargs))
+
+
+def _block_c(C: int) -> int:
+    return p2(C, 16, 256) if interpreting() else 64
+
+
+def _block_p(num_parts: int) -> int:
+    return p2(num_parts, 16, 1024) if interpreting() else 32
+
+
+def _geo(g: ConvGeom, in_shape, out_shape) -> dict:
+    _, C, H, W = in_shape
+    _, K, P, Q = out_shape
+    return dict(H=H, W=W, C=C, P=P, Q=Q, K=K, GROUPS=g.groups, R=g.kernel[0], S=g.kernel[1],
+                STRIDE_H=g.stride[0], STRIDE_W=g.stride[1], PAD_H=g.padding[0], PAD_W=g.padding[1],
+                DIL_H=g.dilation[0], DIL_W=g.dilation[1])
+
+
+def _dot(cdtype: torch.dtype, idx64: bool) -> dict:
+    return dict(DOT_DTYPE=dot_dtype(cdtype), INPUT_PRECISION=input_precision(cdtype), IDX64=idx64)
+
+
+# ---------------------------------------------------------------------------------- statistics
+def stats_partial(*, x: torch.Tensor, x_strides, part: torch.Tensor, shape, rows: int, idx64: bool) -> int:
+    """Per-tile (mean, M2) of ``x`` (logical ``shape`` (N, C, H, W)) into ``part`` (tiles, 2, C) fp32,
+    ``rows`` rows per tile. Returns the number of tiles."""
+    N, C, H, W = shape
+    M = N * H * W
+    num_parts, block_c = triton.cdiv(M, rows), _block_c(C)
+    grid = (num_parts, triton.cdiv(C, block_c))
+    args = (x, *x_strides, part, M)
+    kw = dict(H=H, W=W, C=C, IDX64=idx64, BLOCK_M=rows, BLOCK_C=block_c, num_warps=1 if interpreting() else 8)
+    if _recorder is not None:
+        _record("stats", BK._stats_partial_kernel, grid, args, kw)
+    else:
+        BK._stats_partial_kernel[grid](*args, **kw)
+    return num_parts
+
+
+def finalize(*, pack: torch.Tensor, C: int, mode: BNMode, part: Optional[torch.Tensor] = None, num_parts: int = 0,
+             count: int = 1, rows: int = 1, gamma=None, beta=None, mean_src=None, var_src=None, nbt=None,
+             momentum: Optional[float] = None, eps: float = 0.0) -> None:
+    """One BatchNorm's pack (5, C) fp32 — mean, var, invstd, scale, shift — from ``num_parts`` partial
+    tiles of ``part`` (BATCH; ``count`` rows, ``rows`` per tile; running buffers ``mean_src``/``var_src``
+    updated when ``mode.update``), from the running buffers (RUNNING), or from given mean and invstd
+    (EXTERNAL: ``mean_src``, ``var_src`` = invstd)."""
+    block_c = _block_c(C)
+    grid = (1,) if mode.cumulative else (triton.cdiv(C, block_c),)
+    unbias = count / (count - 1) if count > 1 else 1.0
+    inc = mode.update and nbt is not None
+    args = (part, num_parts, count, rows, unbias, pack, gamma, beta, mean_src, var_src, nbt,
+            float(momentum or 0.0), float(eps))
+    kw = dict(C=C, MODE=mode.kind, HAS_AFFINE=mode.affine, UPDATE_RUNNING=mode.update, CUMULATIVE=mode.cumulative,
+              INC_NBT=inc, BLOCK_C=block_c, BLOCK_P=_block_p(num_parts))
+    if _recorder is not None:
+        _record("finalize", BK._finalize_kernel, grid, args, kw)
+    else:
+        BK._finalize_kernel[grid](*args, **kw)
+
+
+# ----------------------------------------------------------------------------------------- fprop
+def fprop(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Tensor, bias: Optional[torch.Tensor],
+          y: torch.Tensor, part: Optional[torch.Tensor], cdtype: torch.dtype, idx64: bool,
+          x0: Optional[torch.Tensor] = None, x0_strides=(0, 0, 0, 0), x0_shape=(1, 1, 1, 1),
+          proj_w: Optional[torch.Tensor] = None, proj_stride: int = 1, pack0: Optional[torch.Tensor] = None,
+          residual: bool = False, name: str = "fprop") -> None:
+    """``y = conv(relu(x·scale + shift), w) (+ bias)`` for unit ``u`` (x: u's input through
+    ``u.in_strides``; y through ``u.out_strides``), with the epilogue options: ``part`` gets the
+    per-tile (mean, M2) of the stored y; ``proj_w`` adds a 1×1 stride-``proj_stride`` projection of
+    ``relu(bn_0(x0))`` (``pack0``) to the accumulator; ``residual`` adds ``x0`` itself (identity
+    shortcut, or a residual tensor passed as ``x0``)."""
+    g, cfg = u.geom, u.fcfg
+    K = u.out_shape[1]
+    grid = (triton.cdiv(u.M_out, cfg.BLOCK_M), triton.cdiv(K // g.groups, cfg.BLOCK_N), g.groups)
+    C2 = x0_shape[1]
+    w2_strides = proj_w.stride()[:2] if proj_w is not None else (0, 0)
+    args = (x, *u.in_strides, w, *w.stride(), pack, bias, x0, *x0_strides, proj_w, *w2_strides, pack0,
+            y, *u.out_strides, part, u.M_out)
+    kw = dict(**_geo(g, u.in_shape, u.out_shape), H2=x0_shape[2], W2=x0_shape[3], C2=C2, STRIDE2=proj_stride,
+              HAS_BIAS=bias is not None, HAS_PROJ=proj_w is not None, HAS_RES=residual, STATS=part is not None,
+              **_dot(cdtype, idx64), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+              BLOCK_K2=p2(C2, 16, 256 if interpreting() else cfg.BLOCK_K), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if _recorder is not None:
+        _record(name, CK._fprop_kernel, grid, args, kw)
+    else:
+        CK._fprop_kernel[grid](*args, **kw)
+
+
+# ----------------------------------------------------------------------------------------- dgrad
+def dgrad(u: UnitPlan, *, dy: torch.Tensor, dy_strides, w: torch.Tensor, x: torch.Tensor, pack: torch.Tensor,
+          out: torch.Tensor, out_strides, psum: torch.Tensor, write_dx: bool, cdtype: torch.dtype, idx64: bool,
+          dy2: Optional[torch.Tensor] = None, dy2_strides=(0, 0, 0, 0), dy2_shape=(1, 1, 1, 1),
+          w2: Optional[torch.Tensor] = None, proj_stride: int = 1, res: Optional[torch.Tensor] = None,
+          res_strides=(0, 0, 0, 0)) -> None:
+    """``da = dgrad(dy, w)`` (+ the projection's ``dgrad(dy2, w2)``) for unit ``u``; epilogue: ReLU
+    mask recomputed from ``x`` (u's input), per-tile Σdz, Σdz·x̂ into ``psum``; stores dz, or with
+    ``write_dx`` ``dx = scale·dz`` (+ ``res``, the identity shortcut's gradient), into ``out``."""
+    g, cfg = u.geom, u.dcfg
+    C = u.in_shape[1]
+    m_tiles, phases = u.dgrad_tiles()
+    grid = (m_tiles, triton.cdiv(C // g.groups, cfg.BLOCK_N), g.groups * phases)
+    K2 = dy2_shape[1]
+    w2_strides = w2.stride()[:2] if w2 is not None else (0, 0)
+    args = (dy, *dy_strides, w, *w.stride(), dy2, *dy2_strides, w2, *w2_strides, x, *u.in_strides, pack,
+            out, *out_strides, res, *res_strides, psum, u.M_in)
+    kw = dict(**_geo(g, u.in_shape, u.out_shape), P2=dy2_shape[2], Q2=dy2_shape[3], K2=K2, STRIDE2=proj_stride,
+              HAS_PROJ=w2 is not None, WRITE_DX=write_dx, HAS_RES=res is not None, **_dot(cdtype, idx64),
+              BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+              BLOCK_K2=p2(K2, 16, 256 if interpreting() else cfg.BLOCK_K),
+              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if _recorder is not None:
+        _record("dgrad", CK._dgrad_kernel, grid, args, kw)
+    else:
+        CK._dgrad_kernel[grid](*args, **kw)
+
+
+# ----------------------------------------------------------------------------------------- wgrad
+def wgrad(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmConfig, split: int, dy: torch.Tensor,
+          dy_strides, x: torch.Tensor, pack: torch.Tensor, dw: Optional[torch.Tensor], dw_strides,
+          cdtype: torch.dtype, idx64: bool, sum_mode: int = 0, psum: Optional[torch.Tensor] = None,
+          num_parts: int = 0, dbeta=None, dgamma=None, coef: Optional[torch.Tensor] = None,
+          inv_count: float = 1.0, fold: bool = True) -> None:
+    """``dw = wgrad(dy, relu(x·scale + shift))`` (stored in dw's dtype and ``dw_strides``; with
+    ``split`` > 1 as fp32 partials ``dw[split, k, c, r, s]``) and, in extra programs of the same launch,
+    the fold of the dgrad tiles' sums (``sum_mode`` 1: dβ, dγ and the dx coefficients; 2: dβ, dγ and the
+    gradients of externally given statistics into ``coef``). ``dw=None``: the fold alone. ``fold=False``:
+    a launch that never folds (a projection shortcut's own wgrad, recorded as ``wgrad_proj``)."""
+    g = geom
+    N, C, H, W = in_shape
+    _, K, P, Q = out_shape
+    M = N * P * Q
+    n_wg = 0
+    if dw is not None:
+        n_wg = (triton.cdiv(K // g.groups, cfg.BLOCK_M) * triton.cdiv(C // g.groups, cfg.BLOCK_N)
+                * g.kernel[0] * g.kernel[1] * g.groups * split)
+    block_c = _block_c(C)
+    n_red = triton.cdiv(C, block_c) if sum_mode else 0
+    if not n_wg + n_red:
+        return
+    chunk = triton.cdiv(triton.cdiv(M, split), cfg.BLOCK_K) * cfg.BLOCK_K
+    grid = (n_wg + n_red,)
+    args = (dy, *dy_strides, x, *in_strides, pack, dw, *dw_strides, psum, num_parts, dbeta, dgamma, coef,
+            inv_count, M, chunk, n_wg)
+    kw = dict(**_geo(g, in_shape, out_shape), SPLIT_K=split > 1, SUM_MODE=sum_mode, HAS_GAMMA=dgamma is not None,
+              **_dot(cdtype, idx64), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_R=cfg.BLOCK_K,
+              BLOCK_C=block_c if fold else 16, BLOCK_P=_block_p(num_parts) if fold else 16,
+              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if _recorder is not None:
+        _record("wgrad" if fold else "wgrad_proj", CK._wgrad_kernel, grid, args, kw)
+    else:
+        CK._wgrad_kernel[grid](*args, **kw)
+
+
+# -------------------------------------------------------------------------------------------- dx
+def dx(*, geom: ConvGeom, shape, x: torch.Tensor, x_strides, pack: torch.Tensor, coef: Optional[torch.Tensor],
+       dz: Optional[torch.Tensor], out: Optional[torch.Tensor], out_strides=(0, 0, 0, 0),
+       res: Optional[torch.Tensor] = None, res_strides=(0, 0, 0, 0), idx64: bool = False, split1: int = 1,
+       fold1: Optional[tuple] = None, fold2: Optional[tuple] = None, k2: int = 1, split2: int = 1) -> None:
+    """Training-mode BN backward ``out = scale·(dz − c1 − x̂·c2)`` (+ ``res``) over the logical
+    (N, C, H, W) ``shape`` of the input of the conv ``geom`` when ``dz`` is given, plus, in extra
+    programs of the same launch, the fixed-order split-K sums ``fold1 = (partials, dw)`` of that conv's
+    weight gradient (``split1`` partials) and ``fold2`` of a 1×1 projection's ((k2, C), ``split2``)."""
+    N, C, H, W = shape
+    M = N * H * W
+    bm, bc = (p2(M, 16, 4096), p2(C, 16, 256)) if interpreting() else (64, 64)
+    n_dx = triton.cdiv(M, bm) * triton.cdiv(C, bc) if dz is not None else 0
+    n_red1 = triton.cdiv(fold1[1].numel(), FOLD_BLOCK) if fold1 is not None else 0
+    n_red2 = triton.cdiv(fold2[1].numel(), FOLD_BLOCK) if fold2 is not None else 0
+    if not n_dx + n_red1 + n_red2:
+        return
+    job1 = (fold1[0], fold1[1], *fold1[1].stride()) if fold1 is not None else (None, None, 0, 0, 0, 0)
+    job2 = (fold2[0], fold2[1], *fold2[1].stride()) if fold2 is not None else (None, None, 0, 0, 0, 0)
+    grid = (n_dx + n_red1 + n_red2,)
+    args = (dz, x, *x_strides, pack, coef, res, *res_strides, out, *out_strides, M, n_dx, *job1, n_red1, *job2)
+    kw = dict(H=H, W=W, C=C, HAS_RES=res is not None, IDX64=idx64, K1=geom.out_channels, CG1=C // geom.groups,
+              R1=geom.kernel[0], S1=geom.kernel[1], SPLIT1=split1, HAS_RED1=n_red1 > 0,
+              K2=k2, CG2=C, SPLIT2=split2, HAS_RED2=n_red2 > 0, BLOCK_M=bm, BLOCK_C=bc, BLOCK_E=FOLD_BLOCK,
+              num_warps=4)
+    if _recorder is not None:
+        _record("dx", BK._dx_kernel, grid, args, kw)
+    else:
+        BK._dx_kernel[grid](*args, **kw)
