@@ -134,3 +134,46 @@ def test_unit_plans_are_per_module_and_copies_start_empty():
     m(torch.randn(2, 4, 5, 5))
     assert len(m._plans) == 1
     assert len(copy.deepcopy(m)._plans) == 0
+
+
+def _project_frames_at_first_launch(step, monkeypatch) -> list[str]:
+    """The fused_preact functions on the stack when ``step`` makes its first Triton launch, outermost
+    first."""
+    import inspect
+    import os
+
+    import fused_preact
+    from triton.runtime.interpreter import InterpretedFunction
+
+    root = os.path.dirname(fused_preact.__file__)
+    seen: list = []
+    real = InterpretedFunction.run
+
+    def run(self, *args, **kwargs):
+        if not seen:
+            seen.append([f.function for f in reversed(inspect.stack()[1:]) if f.filename.startswith(root)])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", run)
+    step()
+    monkeypatch.setattr(InterpretedFunction, "run", real)
+    return seen[0]
+
+
+@pytest.mark.parametrize("module", [lambda: FusedBNReLUConv2d(8, 8, 3, padding=1, backend="triton"),
+                                    lambda: FusedPreActBlock(8, 16, 2, backend="triton"),
+                                    lambda: FusedPreActBottleneck(16, 4, backend="triton")],
+                         ids=["unit", "basic", "bottleneck"])
+def test_frames_from_forward_and_backward_to_the_first_launch(module, monkeypatch):
+    """≤ 6 project frames from a module's forward to its first kernel launch, ≤ 4 from the autograd
+    node's backward (forward → run_units → run_chain → ChainFunction.forward → plan.forward →
+    launcher; ChainFunction.backward → plan.backward → plan._backward_unit → launcher)."""
+    torch.manual_seed(0)
+    m = module()
+    x = torch.randn(2, m.bn1.num_features if hasattr(m, "bn1") else 8, 6, 6, requires_grad=True)
+    m(x).sum().backward()  # plans built
+    fwd = _project_frames_at_first_launch(lambda: m(x), monkeypatch)
+    assert fwd[0] == "forward" and len(fwd) <= 6, fwd
+    y = m(x).sum()
+    bwd = _project_frames_at_first_launch(lambda: y.backward(), monkeypatch)
+    assert bwd[0] == "backward" and len(bwd) <= 4, bwd

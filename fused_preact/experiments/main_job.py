@@ -119,7 +119,33 @@ def parse_args(argv: Optional[list[str]] = None, cuda: bool = False) -> argparse
     for name in ("steps", "batch_size", "image_size", "eval_size"):
         if getattr(args, name) < 1:
             p.error(f"argument --{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}")
+    for name, low, strict in (("lr", 0.0, True), ("momentum", 0.0, False), ("weight_decay", 0.0, False),
+                              ("tolerance", 0.0, True), ("tolerance_soak", 0.0, True)):
+        value = getattr(args, name)
+        if not (value > low if strict else value >= low) or value != value:
+            p.error(f"argument --{name.replace('_', '-')}: must be {'>' if strict else '≥'} {low:g}, got {value}")
+    problem = _device_problem(args.device)
+    if problem:
+        p.error(f"argument --device: {problem}")
     return args
+
+
+def _device_problem(text: str) -> Optional[str]:
+    """Why ``--device`` cannot be used in this process (None if it can)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError) as e:
+        return f"not a torch device ({e})"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"{text!r} needs CUDA, which this torch ({torch.__version__}) does not have"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return f"{text!r}: only {torch.cuda.device_count()} CUDA device(s)"
+    elif device.type != "cpu":
+        return f"device type {device.type!r} is not supported by the main job (cpu or cuda)"
+    return None
 
 
 def _sync(device) -> None:

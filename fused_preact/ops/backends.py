@@ -343,7 +343,9 @@ def run_chain(requested: str, cache: PlanCache, spec: ChainSpec, x: torch.Tensor
             in_stats = t.in_stats is not None and modes[0].kind == BATCH
             rd = t.residual.dtype if t.residual is not None else None
             plan = choice.backend.make_plan(spec, modes, x, cd, in_stats, out_stats, rd)
-        entry = cache[key] = (choice, plan)
+        entry = (choice, plan)
+        if not torch.compiler.is_compiling():  # a traced call leaves no Python state behind (Dynamo
+            cache[key] = entry                 # would have to rebuild the frozen spec in the key)
     choice, plan = entry
     if plan is None:
         return reference_chain(spec, x, t, modes), choice

@@ -143,7 +143,7 @@ def _finalize_kernel(
             var = 1.0 / (invstd * invstd) - eps
         if HAS_AFFINE:
             scale = invstd * tl.load(gamma_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-            shift = tl.load(beta_ptr + cols, mask=cmask, other=0.0).to(tl.float32) - mean * scale
+            shift = tl.fma(-mean, scale, tl.load(beta_ptr + cols, mask=cmask, other=0.0).to(tl.float32))
         else:
             scale = invstd
             shift = -mean * scale

@@ -1,0 +1,329 @@
+"""Fused modules against eager ``nn.BatchNorm2d → nn.ReLU → nn.Conv2d`` where users meet the edges:
+double backward, modules changed between calls, replaced buffers, eager's argument checks, meta
+tensors, hooks, in-place changes between forward and backward, empty batches, overflowing statistics,
+the interpreter switched on late, and compile-safety of fallbacks.
+
+Every comparison runs the fused kernels (``last_backend == "triton"`` is asserted) or asserts which
+path ran and why; references are eager twins with the same parameters, in float32 and float64.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import DEVICE
+from fused_preact import FusedBNReLUConv2d, FusedPreActBlock
+from fused_preact.models import PreActBlock
+from fused_preact.ops import bn_relu_conv2d
+from helpers import assert_close
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _twins(C=4, K=6, k=3, padding=1, stride=1, seed=0, **bn):
+    torch.manual_seed(seed)
+    fused = FusedBNReLUConv2d(C, K, k, stride=stride, padding=padding, backend="auto", **bn).to(DEVICE)
+    with torch.no_grad():
+        if fused.bn.weight is not None:
+            fused.bn.weight.uniform_(0.5, 1.5)
+            fused.bn.bias.uniform_(-0.5, 0.5)
+    eager = nn.Sequential(copy.deepcopy(fused.bn), nn.ReLU(), copy.deepcopy(fused.conv))
+    return fused, eager
+
+
+def _x(*shape, seed=1, dtype=torch.float32, requires_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(DEVICE, dtype).requires_grad_(requires_grad)
+
+
+def _grads(module, x, loss_fn):
+    xg = x.detach().clone().requires_grad_()
+    loss = loss_fn(module, xg)
+    loss.backward()
+    return loss.detach(), xg.grad, [p.grad.clone() for p in module.parameters()]
+
+
+# ------------------------------------------------------------------------------- double backward
+def _penalty_loss(m, x):
+    """loss + ‖∂loss/∂x‖²: an R1 / input-gradient penalty (needs the gradient's graph)."""
+    y = m(x)
+    loss = (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype, device=y.device).view_as(y)).sum()
+    gx, = torch.autograd.grad(loss, x, create_graph=True)
+    return loss + gx.square().sum()
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_double_backward_matches_eager(train):
+    fused, eager = _twins()
+    fused.train(train)
+    eager.train(train)
+    x = _x(2, 4, 5, 5)
+    lf, gxf, gpf = _grads(fused, x, _penalty_loss)
+    assert fused.last_backend == "triton"
+    le, gxe, gpe = _grads(eager, x, _penalty_loss)
+    assert_close(lf, le, torch.float32, "loss")
+    assert_close(gxf, gxe, torch.float32, "dx")
+    for a, b in zip(gpf, gpe):
+        assert_close(a, b, torch.float32, "param grad")
+    assert_close(fused.bn.running_mean, eager[0].running_mean, torch.float32, "running_mean")
+
+
+def test_double_backward_of_a_block_matches_eager():
+    torch.manual_seed(0)
+    fused = FusedPreActBlock(4, 8, stride=2, backend="triton").to(DEVICE)
+    eager = PreActBlock(4, 8, stride=2).to(DEVICE)
+    eager.load_state_dict(fused.state_dict())
+    x = _x(2, 4, 6, 6)
+    _, gxf, gpf = _grads(fused, x, _penalty_loss)
+    _, gxe, gpe = _grads(eager, x, _penalty_loss)
+    assert_close(gxf, gxe, torch.float32, "dx")
+    for (name, _), a, b in zip(fused.named_parameters(), gpf, gpe):
+        assert_close(a, b, torch.float32, name)
+
+
+# ------------------------------------------------------------------ modules changed between calls
+@pytest.mark.parametrize("change", ["padding", "stride", "dilation"])
+def test_conv_geometry_changed_after_the_first_call(change):
+    fused, eager = _twins()
+    x = _x(2, 4, 7, 7, requires_grad=False)
+    fused(x)
+    for conv in (fused.conv, eager[2]):
+        setattr(conv, change, (2, 2))
+    y = fused(x)
+    assert fused.last_backend == "triton"
+    ref = eager(x)
+    assert y.shape == ref.shape
+    assert_close(y, ref, torch.float32, change)
+
+
+@pytest.mark.parametrize("buffer", ["running_mean", "running_var", "weight", "bias"])
+def test_replaced_bn_tensor_of_the_wrong_length_is_refused_after_a_cached_call(buffer):
+    fused, eager = _twins()
+    x = _x(2, 4, 5, 5, requires_grad=False)
+    fused(x)
+    wrong = torch.ones(7, device=DEVICE)
+    for bn in (fused.bn, eager[0]):
+        if buffer in ("weight", "bias"):
+            setattr(bn, buffer, nn.Parameter(wrong.clone()))
+        else:
+            setattr(bn, buffer, wrong.clone())
+    with pytest.raises(RuntimeError) as eager_err:
+        eager(x)
+    before = {k: v.clone() for k, v in fused.state_dict().items()}
+    with pytest.raises(RuntimeError, match="should contain 4 elements not 7"):
+        fused(x)
+    assert "7" in str(eager_err.value)
+    for k, v in fused.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+# ------------------------------------------------------------------------------- eager's checks
+@pytest.mark.parametrize("train,eps", [(True, 0.0), (True, -1.0), (False, -1.0)])
+def test_eps_checks_as_eager_with_state_untouched(train, eps):
+    fused, eager = _twins()
+    fused.train(train)
+    eager.train(train)
+    fused.bn.eps = eager[0].eps = eps
+    x = _x(2, 4, 5, 5, requires_grad=False)
+    with pytest.raises(ValueError) as e:
+        eager(x)
+    before = {k: v.clone() for k, v in fused.state_dict().items()}
+    with pytest.raises(ValueError, match=str(e.value).split(",")[0]):
+        fused(x)
+    for k, v in fused.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_eps_zero_in_eval_runs_as_eager():
+    fused, eager = _twins()
+    fused.eval()
+    eager.eval()
+    fused.bn.eps = eager[0].eps = 0.0
+    x = _x(2, 4, 5, 5, requires_grad=False)
+    assert_close(fused(x), eager(x), torch.float32)
+
+
+@pytest.mark.parametrize("case", ["eval-none", "eval-mean-only", "train-mean-only", "train-var-only"])
+def test_functional_running_buffer_checks_as_f_batch_norm(case):
+    x = _x(2, 4, 5, 5, requires_grad=False)
+    w = torch.randn(6, 4, 3, 3, device=DEVICE)
+    rm, rv = torch.zeros(4, device=DEVICE), torch.ones(4, device=DEVICE)
+    train = case.startswith("train")
+    args = {"eval-none": (None, None), "eval-mean-only": (rm, None), "train-mean-only": (rm, None),
+            "train-var-only": (None, rv)}[case]
+    with pytest.raises((RuntimeError, ValueError)) as eager_err:
+        F.batch_norm(x, *args, training=train)
+    with pytest.raises(type(eager_err.value), match=str(eager_err.value)):
+        bn_relu_conv2d(x, w, None, *args, training=train, padding=1)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="eager's mixed-dtype rule differs on CUDA; the probe follows the device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("what", ["buffers", "params"])
+def test_bn_in_another_dtype_raises_as_eager(dtype, what):
+    fused, eager = _twins()
+    for bn in (fused.bn, eager[0]):
+        if what == "buffers":
+            bn.running_mean, bn.running_var = bn.running_mean.to(dtype), bn.running_var.to(dtype)
+        else:
+            bn.weight.data, bn.bias.data = bn.weight.data.to(dtype), bn.bias.data.to(dtype)
+    x = _x(2, 4, 5, 5, requires_grad=False)
+    with pytest.raises(RuntimeError) as e:
+        eager(x)
+    with pytest.raises(RuntimeError, match=re.escape(str(e.value))):
+        fused(x)
+
+
+# ------------------------------------------------------------------------------------- meta tensors
+@pytest.mark.parametrize("cls_args", [(FusedBNReLUConv2d, (4, 6, 3), {"padding": 1, "stride": 2}),
+                                      (FusedPreActBlock, (4, 8, 2), {})], ids=["unit", "block"])
+def test_meta_module_and_input_give_eager_shapes(cls_args):
+    cls, args, kw = cls_args
+    m = cls(*args, **kw, device="meta")
+    x = torch.empty(2, 4, 9, 9, device="meta")
+    y = m(x)
+    assert y.device.type == "meta"
+    eager = PreActBlock(4, 8, 2) if cls is FusedPreActBlock else nn.Sequential(
+        nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 6, 3, padding=1, stride=2))
+    assert y.shape == eager(torch.zeros(2, 4, 9, 9)).shape
+    assert m.last_backend == "reference" and "meta" in m.fallback_reason
+
+
+# ------------------------------------------------------------------------------------------ hooks
+@pytest.mark.parametrize("where", ["bn-forward", "conv-pre", "conv-backward"])
+def test_hooks_on_children_run_as_eager(where):
+    fused, eager = _twins()
+    seen = {"fused": 0, "eager": 0}
+
+    def hook(name):
+        def f(*args):
+            seen[name] += 1
+        return f
+
+    for name, bn, conv in (("fused", fused.bn, fused.conv), ("eager", eager[0], eager[2])):
+        if where == "bn-forward":
+            bn.register_forward_hook(hook(name))
+        elif where == "conv-pre":
+            conv.register_forward_pre_hook(hook(name))
+        else:
+            conv.register_full_backward_hook(hook(name))
+    x = _x(2, 4, 5, 5)
+    _, gxf, _ = _grads(fused, x, lambda m, v: m(v).square().sum())
+    _, gxe, _ = _grads(eager, x, lambda m, v: m(v).square().sum())
+    assert seen["fused"] == seen["eager"] == 1
+    assert fused.last_backend == "reference" and "hook" in fused.fallback_reason
+    assert_close(gxf, gxe, torch.float32, "dx")
+
+
+# ----------------------------------------------------------------- in-place change before backward
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("what", ["weight", "bias", "running_mean"])
+def test_inplace_change_between_forward_and_backward_as_eager(what, train):
+    outcomes = []
+    for m in _twins():
+        m.train(train)
+        y = m(_x(2, 4, 5, 5))
+        with torch.no_grad():
+            bn = m.bn if isinstance(m, FusedBNReLUConv2d) else m[0]
+            getattr(bn, what).add_(1.0)
+        try:
+            y.sum().backward()
+            outcomes.append("ok")
+        except RuntimeError as e:
+            assert "modified by an inplace operation" in str(e)
+            outcomes.append("error")
+    fused_outcome, eager_outcome = outcomes
+    if what == "running_mean" and train:
+        # eager saves its running buffers in training too (and raises); the fused kernels never read
+        # them in backward, so the gradient stays that of the forward that ran.
+        assert eager_outcome == "error" and fused_outcome == "ok"
+    else:
+        assert fused_outcome == eager_outcome
+
+
+# ------------------------------------------------------------------------------------ empty batch
+def test_empty_batch_names_the_path_that_ran():
+    fused, _ = _twins()
+    fused(_x(0, 4, 5, 5))
+    assert fused.last_backend == "reference" and "empty batch" in fused.fallback_reason
+    fused(_x(2, 4, 5, 5))
+    assert fused.last_backend == "triton" and fused.fallback_reason is None
+
+
+# ------------------------------------------------------------------------------ overflowing statistics
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_variance_overflow_gives_eager_inf_and_finite_pattern(dtype):
+    fused, eager = _twins()
+    fused.to(dtype)
+    eager.to(dtype)
+    x = (_x(2, 4, 5, 5, requires_grad=False) * 1e30).to(dtype)
+    y, ref = fused(x), eager(x)
+    assert fused.last_backend == "triton"
+    assert torch.isinf(fused.bn.running_var).all() and torch.equal(fused.bn.running_var, eager[0].running_var)
+    assert torch.equal(torch.isfinite(y), torch.isfinite(ref))
+    assert_close(y, ref, dtype, "output")
+
+
+# ---------------------------------------------------------------------- numerics at a large mean
+def test_large_mean_small_variance_is_within_eager_error():
+    """Inputs with mean 1e4 and std 0.03: the fused output's error against float64, relative to
+    eager fp32's own, over 8 seeds (the single-rounding FMA in the prologue and in shift keep the
+    fused path at eager's level)."""
+    ratios = []
+    for seed in range(8):
+        fused, eager = _twins(C=8, K=8, seed=seed)
+        ref = copy.deepcopy(eager).double()
+        x = (_x(4, 8, 6, 6, seed=seed, dtype=torch.float64, requires_grad=False) * 0.03 + 1e4).float()
+        r = ref(x.double())
+        e = (eager(x).double() - r).norm() / r.norm()
+        f = (fused(x).double() - r).norm() / r.norm()
+        assert fused.last_backend == "triton"
+        ratios.append((f / e).item())
+    ratios.sort()
+    assert ratios[len(ratios) // 2] <= 1.5 and ratios[-1] <= 2.5, ratios
+
+
+# ------------------------------------------------------------------ the interpreter switched on late
+@pytest.mark.skipif(DEVICE != "cpu", reason="about the CPU fallback")
+def test_interpreter_set_after_import_falls_back_with_a_reason(tmp_path):
+    code = textwrap.dedent("""
+        import os, torch
+        os.environ.pop("TRITON_INTERPRET", None)
+        from fused_preact import FusedBNReLUConv2d
+        import fused_preact.ops
+        os.environ["TRITON_INTERPRET"] = "1"
+        m = FusedBNReLUConv2d(4, 4, 3, padding=1)
+        m(torch.randn(2, 4, 5, 5))
+        print(m.last_backend, "|", m.fallback_reason)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    name, reason = out.stdout.strip().split(" | ")
+    assert name == "reference" and "interpreter is off" in reason
+
+
+# ------------------------------------------------------------------------- compile-safe fallbacks
+@pytest.mark.parametrize("case", ["triton", "reference-dtype", "empty-batch"])
+def test_fullgraph_compile_on_every_auto_path(case):
+    torch._dynamo.reset()
+    m = FusedPreActBlock(8, 16, stride=2).to(DEVICE)
+    x = _x(0 if case == "empty-batch" else 2, 8, 6, 6, requires_grad=False)
+    if case == "reference-dtype":
+        m, x = m.double(), x.double()
+    eager = PreActBlock(8, 16, 2).to(DEVICE, x.dtype)
+    eager.load_state_dict(m.state_dict())
+    y = torch.compile(m, backend="aot_eager", fullgraph=True)(x)
+    expect = {"triton": "triton", "reference-dtype": "reference", "empty-batch": "reference"}[case]
+    assert m.last_backend == expect
+    assert_close(y, eager(x), x.dtype if x.dtype == torch.float64 else torch.float32, case)
