@@ -1,0 +1,196 @@
+"""The modules :func:`fused_preact.convert` puts in place: :class:`ConvertedPreActBlock` (a recognized
+residual block running its BN → ReLU → Conv steps as one fused chain) and :class:`FusedSequential`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fused_preact.conversion.matching import (
+    _MODES,
+    _conv_problem,
+    _has_act,
+    _hook_problem,
+)
+from fused_preact.modules import (
+    FusedBNReLUConv2d,
+    FusedModuleBase,
+    FusedPreActBlock,
+    FusedPreActBottleneck,
+    describe_backend,
+    init_fused_state,
+    run_units,
+)
+
+
+def _preact(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The materialized pre-activation ``relu(bn(x))``: a BatchNormAct2d applies its own ReLU."""
+    return norm(x) if _has_act(norm) else F.relu(norm(x))
+
+
+class ConvertedPreActBlock(FusedModuleBase):
+    """A pre-activation residual block rebuilt on the fused op, holding the original block's children.
+
+    Built by :func:`convert` from a timm-style (``norm1, conv1, …, downsample, drop_path``) or
+    CIFAR-style (``bn1, conv1, …, shortcut``) block; every child of the original is registered
+    under the same name in the same order, so parameters, buffers and state_dict keys are unchanged.
+
+    Forward: ``drop_path(conv_k(relu(bn_k(… conv_1(relu(bn_1(x))) …)))) + shortcut``, each
+    BN → ReLU → Conv step fused, the steps run as one chain (:func:`fused_preact.modules.run_units`)
+    with the shortcut added in the last conv's epilogue unless a drop path is active; ``shortcut`` is
+    read as ``shortcut_mode`` says (see :mod:`fused_preact.conversion`). With ``module_preact`` or
+    ``identity_preact`` the first BN → ReLU runs unfused (its output is materialized once).
+
+    Attributes:
+        backend: requested backend (``"auto"``, ``"triton"``, ``"reference"``).
+        last_backend, fallback_reason: what the last fused step ran, and why it fell back.
+        steps: ((norm name, conv name), …) of the residual branch.
+        shortcut_name, shortcut_mode, proj_path, drop_path_name: how the shortcut and drop path
+            are found and read.
+        source_type: the original block's qualified class name.
+
+    Shapes and dtypes: those of the original block (input (N, C, H, W)).
+    Raises (in forward): as :func:`fused_preact.modules.run_units` (bad rank or channels, forced backend that
+    cannot serve the input).
+    """
+
+    def __init__(self, block: nn.Module, steps: tuple[tuple[str, str], ...], shortcut_name: Optional[str],
+                 shortcut_mode: str, proj_path: tuple[str, ...], drop_path_name: Optional[str],
+                 backend: str = "auto"):
+        super().__init__(backend)
+        for name, child in block._modules.items():
+            self.register_module(name, child)
+        self.training = block.training
+        self.steps = steps
+        self.shortcut_name = shortcut_name
+        self.shortcut_mode = shortcut_mode
+        self.proj_path = proj_path
+        self.drop_path_name = drop_path_name
+        self.source_type = f"{type(block).__module__}.{type(block).__qualname__}"
+        if hasattr(type(block), "expansion"):
+            self.expansion = type(block).expansion
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, shortcut={_MODES[self.shortcut_mode]!r}, source={self.source_type}"
+
+    def _shortcut(self) -> nn.Module:
+        return self._modules[self.shortcut_name]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, C, H, W) → the original block's output; see the class docstring."""
+        mods = self._modules
+        steps = [(mods[n], mods[c]) for n, c in self.steps]
+        mode = self.shortcut_mode
+        dp = mods.get(self.drop_path_name) if self.drop_path_name is not None else None
+        drop = _drop_path_active(dp)
+        if mode in ("module_preact", "identity_preact"):
+            a = _preact(steps[0][0], x)
+            h = steps[0][1](a)
+            sc = a if mode == "identity_preact" else self._shortcut()(a)
+            if drop:
+                return dp(run_units(self, h, steps[1:])[0]) + sc
+            return run_units(self, h, steps[1:], residual=sc)[0]
+        if mode == "proj_fused":
+            proj = mods[self.proj_path[0]]
+            for part in self.proj_path[1:]:
+                proj = proj._modules[part]
+            if drop:
+                out, sc, _ = run_units(self, x, steps, proj=proj, proj_out="return")
+                return dp(out) + sc
+            return run_units(self, x, steps, proj=proj)[0]
+        sc = x if mode == "identity_raw" else self._shortcut()(x)
+        if drop:
+            return dp(run_units(self, x, steps)[0]) + sc
+        return run_units(self, x, steps, residual="input" if mode == "identity_raw" else sc)[0]
+
+
+def _drop_path_active(dp: Optional[nn.Module]) -> bool:
+    """Whether the drop-path module changes its input now: never for None / ``nn.Identity`` or a
+    timm-style ``DropPath`` in eval mode or with ``drop_prob == 0``; always for unknown modules."""
+    if dp is None or isinstance(dp, nn.Identity):
+        return False
+    prob = getattr(dp, "drop_prob", None)
+    if isinstance(prob, (int, float)):
+        return dp.training and prob > 0
+    return True
+
+
+class FusedSequential(nn.Sequential):
+    """An ``nn.Sequential`` whose recorded BN → ReLU → Conv runs execute as one fused op each.
+
+    :func:`convert` turns an exact ``nn.Sequential`` into this class in place, so children keep
+    their names and indices (``seq.2.weight`` stays ``seq.2.weight``) and hooks on the container
+    stay. ``fused_runs`` maps a run's BatchNorm name to the names of the run,
+    ``(bn, relu, conv)`` or ``(bnact, conv)``. A run is fused only while those children are still
+    consecutive, of the recorded kinds and free of hooks; otherwise its children run one by one,
+    so editing the Sequential later never changes what it computes. Slicing keeps the runs that
+    lie wholly inside the slice.
+
+    Args:
+        *args: as ``nn.Sequential``. backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+
+    Attributes: ``backend``, ``last_backend``, ``fallback_reason`` as in :class:`FusedBNReLUConv2d`.
+    Shapes and dtypes: those of the children.
+    """
+
+    def __init__(self, *args, backend: str = "auto"):
+        super().__init__(*args)
+        _init_fused_sequential(self, backend)
+
+    def extra_repr(self) -> str:
+        return f"{describe_backend(self)}, fused_runs={list(self.fused_runs.values())}"
+
+    def _apply(self, fn, recurse=True):
+        self._plans.clear()
+        return super()._apply(fn, recurse)
+
+    def __getitem__(self, idx):
+        """As ``nn.Sequential``; a slice is a FusedSequential keeping the runs wholly inside it."""
+        out = super().__getitem__(idx)
+        if isinstance(idx, slice):
+            out.backend = self.backend
+            out.fused_runs = {k: v for k, v in self.fused_runs.items() if all(n in out._modules for n in v)}
+        return out
+
+    def _run_at(self, items: list, i: int) -> int:
+        run = self.fused_runs.get(items[i][0])
+        if run is None or tuple(name for name, _ in items[i:i + len(run)]) != run:
+            return 0
+        mods = [m for _, m in items[i:i + len(run)]]
+        if any(_hook_problem("", m) for m in mods) or _conv_problem("", mods[-1]):
+            return 0
+        bn = mods[0]
+        if not isinstance(bn, nn.modules.batchnorm._BatchNorm):
+            return 0
+        if len(run) == 3:
+            return 3 if type(mods[1]) is nn.ReLU and not _has_act(bn) else 0
+        return 2 if _has_act(bn) and type(bn.act) is nn.ReLU and type(bn.drop) is nn.Identity else 0
+
+    def forward(self, input):
+        """Run the children in order, each intact recorded run as one fused BN → ReLU → Conv."""
+        items = list(self._modules.items())
+        i = 0
+        while i < len(items):
+            n = self._run_at(items, i) if items[i][0] in self.fused_runs else 0
+            if n:
+                input = run_units(self, input, [(items[i][1], items[i + n - 1][1])])[0]
+                i += n
+            else:
+                input = items[i][1](input)
+                i += 1
+        return input
+
+
+def _init_fused_sequential(seq: nn.Sequential, backend: str) -> None:
+    init_fused_state(seq, backend)
+    seq.fused_runs = {}
+
+
+_FUSED_TYPES = (FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottleneck, ConvertedPreActBlock)
+
+
+# ----------------------------------------------------------------------------------------------
+# numeric probe
