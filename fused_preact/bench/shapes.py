@@ -21,7 +21,7 @@ once or written once, nothing more (per-channel vectors of C or K floats are ign
     fwd+bwd  the sum (x must leave the chip between forward and backward)
 This is an ideal single-pass bound, not the fused design's traffic: BatchNorm's batch statistics are
 global reductions, so a real kernel reads x twice in forward (stats, then the conv prologue) and
-its inputs twice in backward; ``shared/DESIGN.md`` counts those passes. The floor is therefore a
+its inputs twice in backward; ``docs/design.md`` counts those passes. The floor is therefore a
 bound no implementation beats, and "percent of floor" (floor/measured) says how close one comes.
 
 Floor: ``max(FLOPs / peak FLOP/s, bytes / peak B/s)`` with the peaks *measured* on the machine

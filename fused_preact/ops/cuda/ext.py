@@ -319,7 +319,7 @@ def fprop(x, weight, bias, mean, invstd, gamma, beta, stride, padding, dilation,
 
 
 def backward(dy, x, weight, mean, invstd, gamma, beta, stride, padding, dilation, groups, batch_stats_mode, has_bias):
-    """Gradients of :func:`fprop` (BN backward in scale/shift form, ``shared/DESIGN.md``).
+    """Gradients of :func:`fprop` (BN backward in scale/shift form, ``docs/design.md``).
 
     Args:
         dy: (N, K, P, Q) gradient of the output (cast to x's dtype). x, weight, mean, invstd, gamma,
