@@ -175,6 +175,9 @@ constexpr bool fragment_is_compact() {
   return ok;
 }
 
+template <class FragLayout>
+constexpr bool fragment_is_compact_v = fragment_is_compact<FragLayout, int(decltype(cute::size(FragLayout{}))::value)>();
+
 // -------------------------------------------------------------------------------------------
 
 // Per-channel scale/shift of the BN and the geometry the padding test needs, as the kernels get
@@ -191,6 +194,7 @@ struct ActivationTransform {
   int dilation_h = 1, dilation_w = 1;
   int channel_blocks = 1;      // ceil(C / tile K): k-tiles per filter tap
   int S = 1;                   // filter width (taps per filter row)
+  int H_out = 1, W_out = 1;    // P, Q: extent of the output
   cutlass::FastDivmod divmod_PQ;  // m -> (n, p*Q + q)
   cutlass::FastDivmod divmod_Q;   // p*Q + q -> (p, q)
 };
@@ -257,6 +261,42 @@ struct KTileTap {
   }
 };
 
+// ------------------------------------------------------------ wgrad: padding mask by ballot
+// The wgrad transform's 16-byte copy gives thread t (of the consumer warpgroup) the pixels
+// t/16 + 8·i (i < 8) of the k-tile's 64: a warp's 32 threads share 16 pixels. Each lane tests one
+// of them and a ballot hands the results round: lane `wgrad_lane_pixel(warp, lane)` (lanes 16..31
+// repeat lanes 0..15), pixel i of thread t at ballot bit `wgrad_ballot_bit(t, i)`.
+CUTLASS_HOST_DEVICE int wgrad_lane_pixel(int warp, int lane) { return 2 * warp + ((lane >> 3) & 1) + 8 * (lane & 7); }
+CUTLASS_HOST_DEVICE int wgrad_ballot_bit(int wg_thread, int i) { return 8 * ((wg_thread >> 4) & 1) + i; }
+
+// Output position m of a GEMM row or column walked in steps of `step` positions (the wgrad's
+// pixels: one step per k-tile), with its (p, q) kept by carries instead of two divisions per
+// step: valid() is the padding test of tap (r, s) (false for m >= M, like output_row_origin).
+struct PixelWalk {
+  int m = 0, p = 0, q = 0;
+  int dp = 0, dq = 0;  // step = (step / Q / P)·P·Q + dp·Q + dq, dp < P, dq < Q
+
+  CUTLASS_HOST_DEVICE PixelWalk(ActivationTransform const &t, int m0, int step) : m(m0) {
+    int n, pq;
+    t.divmod_PQ(n, pq, m0 < 0 ? 0 : m0);
+    t.divmod_Q(p, q, pq);
+    int step_n, step_pq;
+    t.divmod_PQ(step_n, step_pq, step);
+    t.divmod_Q(dp, dq, step_pq);
+  }
+  CUTLASS_HOST_DEVICE void advance(ActivationTransform const &t, int step) {
+    m += step;
+    q += dq;
+    int const carry = q >= t.W_out ? 1 : 0;
+    q -= carry * t.W_out;
+    p += dp + carry;
+    p -= p >= t.H_out ? t.H_out : 0;
+  }
+  CUTLASS_HOST_DEVICE bool valid(ActivationTransform const &t, int r, int s) const {
+    return m >= 0 && m < t.M && tap_in_bounds(t, p * t.stride_h - t.pad_h, q * t.stride_w - t.pad_w, r, s);
+  }
+};
+
 inline ActivationTransform make_activation_transform(ConvGeometry const &g, float const *scale, float const *shift,
                                                      int tile_k) {
   ActivationTransform t;
@@ -274,6 +314,8 @@ inline ActivationTransform make_activation_transform(ConvGeometry const &g, floa
   t.dilation_w = g.dilation_w;
   t.channel_blocks = (g.C + tile_k - 1) / tile_k;
   t.S = g.S;
+  t.H_out = g.P;
+  t.W_out = g.Q;
   t.divmod_PQ = cutlass::FastDivmod(g.P * g.Q);
   t.divmod_Q = cutlass::FastDivmod(g.Q);
   return t;

@@ -183,7 +183,8 @@ def test_sm90_thread_mappings_and_padding_arithmetic_on_the_host(tmp_path):
     channel pairing the code assumes; the fprop's ldmatrix copy, simulated per PTX, delivers every
     element where the wgmma expects it; its row/channel slots and scale/shift table lookups give each
     register's row and channels (partial channel blocks, zeros past C); the fp32 transform of a pair
-    (unpack, FMA, ReLU with NaN kept) matches its definition; the k-tile walk follows CUTLASS's (C, S, R) order, and
+    (unpack, FMA, ReLU with NaN kept) matches its definition; the wgrad padding ballot and pixel walk
+    give each thread its pixels' padding tests; the k-tile walk follows CUTLASS's (C, S, R) order, and
     the padding test agrees with the definition of the convolution (strides, dilation, padding)."""
     import shutil
 

@@ -14,12 +14,14 @@
 //      NaN, ±inf, ±0, subnormal and large values, scale/shift beyond fp16's range.
 //   3. wgrad (sm90_conv_wgrad.cu): the 16-byte transform copy covers the 128x64 x tile exactly once,
 //      a thread's vector is 8 consecutive channels of one pixel and its channels do not change with
-//      the pixel; the accumulator pairs the epilogue stores are adjacent output columns; the
+//      the pixel; the padding ballot (wgrad_lane_pixel, wgrad_ballot_bit) gives each thread its own
+//      pixels' bits; the accumulator pairs the epilogue stores are adjacent output columns; the
 //      n-tile coordinate gives the channel block and filter tap the transform and the epilogue use.
 //   4. KTileTap walks k-tiles in CUTLASS's fprop GEMM-K order (channel block, s, r) — checked against
 //      CuTe's own tiling of the (C, S, R) mode as CUTLASS's collective and kernel do it — and
 //      output_row_origin + tap_in_bounds decide padding exactly as the definition of the
-//      convolution, for strided, dilated and padded geometries (brute force).
+//      convolution, for strided, dilated and padded geometries (brute force); so does PixelWalk
+//      (the wgrad's per-lane pixel advanced by carries, one k-tile per step) from every start.
 #include "sm90_common.cuh"
 
 #include "cute/tensor.hpp"
@@ -234,6 +236,17 @@ void check_wgrad_mappings() {
   for (int i = 0; i < N * K; ++i) {
     CHECK(hits[i] == 1, "wgrad: x tile element (%d, %d) covered %d times", i / K, i % K, hits[i]);
   }
+  // The padding ballot: pixel px of thread t is the one lane wgrad_ballot_bit(t, px) of t's warp
+  // tests (sm90::wgrad_lane_pixel), and lanes 16..31 repeat lanes 0..15.
+  for (int t = 0; t < 128; ++t) {
+    Tensor c = Copy{}.get_thread_slice(t).partition_S(make_identity_tensor(make_shape(Int<N>{}, Int<K>{})));
+    for (int px = 0; px < size<2>(c); ++px) {
+      int const bit = sm90::wgrad_ballot_bit(t, px);
+      CHECK(bit >= 0 && bit < 16 && sm90::wgrad_lane_pixel(t / 32, bit) == int(get<1>(c(0, 0, px))) &&
+                sm90::wgrad_lane_pixel(t / 32, bit + 16) == int(get<1>(c(0, 0, px))),
+            "wgrad ballot: thread %d pixel %d (bit %d)", t, px, bit);
+    }
+  }
   // Accumulator pairs of the SS TiledMMA of CUTLASS's wgrad collective (128 x 128 tile, one warpgroup).
   using TiledMma = decltype(make_tiled_mma(
       GMMA::ss_op_selector<T, T, float, Shape<_128, _128, _64>, GMMA::Major::MN, GMMA::Major::MN>()));
@@ -276,6 +289,28 @@ void check_padding_and_taps(ConvGeometry const &g, int tile_k) {
         int const w = q * g.stride_w - g.pad_w + s * g.dilation_w;
         bool const expect = row_exists && h >= 0 && h < g.H && w >= 0 && w < g.W;
         CHECK(sm90::tap_in_bounds(t, h0, w0, r, s) == expect, "padding test: m=%d r=%d s=%d", m, r, s);
+      }
+    }
+  }
+}
+
+// PixelWalk (the wgrad's per-lane pixel, one k-tile of 64 positions per step) against the
+// definition, from every start position of the first k-tiles, through M and past it.
+void check_pixel_walk(ConvGeometry const &g) {
+  sm90::ActivationTransform const t = sm90::make_activation_transform(g, nullptr, nullptr, 128);
+  int const M = g.N * g.P * g.Q;
+  for (int m0 = 0; m0 < 64 * 3; ++m0) {
+    sm90::PixelWalk walk(t, m0, 64);
+    for (int m = m0; m < M + 128; m += 64, walk.advance(t, 64)) {
+      int const q = m % g.Q, p = (m / g.Q) % g.P;
+      CHECK(walk.m == m && (m >= M || (walk.p == p && walk.q == q)), "pixel walk from %d at %d", m0, m);
+      for (int r = 0; r < g.R; ++r) {
+        for (int s = 0; s < g.S; ++s) {
+          int const h = p * g.stride_h - g.pad_h + r * g.dilation_h;
+          int const w = q * g.stride_w - g.pad_w + s * g.dilation_w;
+          bool const expect = m < M && h >= 0 && h < g.H && w >= 0 && w < g.W;
+          CHECK(walk.valid(t, r, s) == expect, "pixel walk from %d: m=%d r=%d s=%d", m0, m, r, s);
+        }
       }
     }
   }
@@ -363,6 +398,7 @@ int main() {
   for (ConvGeometry const &g : cases) {
     check_padding_and_taps(g, 64);
     check_padding_and_taps(g, 128);
+    check_pixel_walk(g);
   }
   if (failures == 0) {
     std::printf("sm90 layout checks: all passed\n");
