@@ -15,6 +15,9 @@
 # (--keep), byte for byte what `nvcc -cubin` gives for that target, without compiling the device
 # code twice. For the static SASS report (cuobjdump -res-usage / -sass).
 #
+# CSRC_ONLY="a.cu b.cu" compiles only the named sources (basenames) and skips the link check: for
+# iterating on one kernel's SASS.
+#
 # Needs: nvcc on PATH (or CUDA_HOME), python with torch. Installs nvidia-cutlass (headers only,
 # --no-deps) if it is missing. Jobs run in parallel: COMPILE_JOBS, default build_config.max_jobs().
 set -euo pipefail
@@ -123,6 +126,18 @@ heavy = ["ops.cu", "sm90_conv_fprop.cu", "sm90_conv_dgrad.cu", "conv_dgrad.cu", 
          "conv_fprop.cu", "sm90_conv_wgrad.cu", "fused_preact.cpp"]
 rank = lambda p: heavy.index(os.path.basename(p)) if os.path.basename(p) in heavy else len(heavy)
 print("\n".join(sorted(build_config.sources(), key=lambda p: (rank(p), p))))')
+if [[ -n "${CSRC_ONLY:-}" ]]; then
+  read -r -a ONLY <<<"$CSRC_ONLY"
+  KEPT=()
+  for src in "${SOURCES[@]}"; do
+    for name in "${ONLY[@]}"; do [[ "$(basename "$src")" == "$name" ]] && KEPT+=("$src"); done
+  done
+  if [[ ${#KEPT[@]} -ne ${#ONLY[@]} ]]; then
+    echo "compile_csrc: CSRC_ONLY names a source not in csrc/: $CSRC_ONLY" >&2
+    exit 1
+  fi
+  SOURCES=("${KEPT[@]}")
+fi
 if [[ ${#SOURCES[@]} -eq 0 ]]; then
   echo "compile_csrc: no sources found in csrc/" >&2
   exit 1
@@ -135,6 +150,11 @@ printf '%s\n' "${SOURCES[@]}" | xargs -P "$JOBS" -I{} bash -c '
   compile_one "$1"' _ {} || { echo "compile_csrc: FAILED after $(( $(date +%s) - start )) s"; exit 1; }
 
 echo "compile_csrc: all ${#SOURCES[@]} sources compiled in $(( $(date +%s) - start )) s"
+if [[ -n "${CSRC_ONLY:-}" ]]; then
+  echo "compile_csrc: CSRC_ONLY set, link check skipped"
+  if [[ -n "$CUBIN_DIR" ]]; then echo "compile_csrc: cubins in $CUBIN_DIR: $(cd "$CUBIN_DIR" && ls *.cubin | tr '\n' ' ')"; fi
+  exit 0
+fi
 
 # Link check: the objects into one shared library, leaving torch's and CUDA's symbols unresolved (a
 # CPU-only torch has no CUDA libraries to link against); every symbol of our own must resolve, so a

@@ -36,11 +36,12 @@ using FpropEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::epilogue::TmaWarpSpecialized,
     cutlass::epilogue::fusion::LinCombPerColBias<T, float, T, T, float>>::CollectiveOp;
 
-// Stages: as many as fit next to the epilogue's smem (CUTLASS's rule in its own conv tests).
+// Stages: as many as fit next to the mainloop's scale/shift table and the kernel's pipeline
+// barriers (1 KiB); the epilogue's smem is a union with the mainloop's (CUTLASS's non-persistent
+// kernel), so it needs no carve-out of its own.
 template <typename T>
 using FpropMainloop = sm90::FpropBnReluMainloop<
-    T, FpropTile,
-    cutlass::conv::collective::StageCountAutoCarveout<int(sizeof(typename FpropEpilogue<T>::SharedStorage))>>;
+    T, FpropTile, cutlass::conv::collective::StageCountAutoCarveout<sm90::kFpropTableBytes + 1024>>;
 
 template <typename T>
 using FpropKernel = cutlass::conv::kernel::ConvUniversal<cutlass::conv::ConvProblemShape<cutlass::conv::Operator::kFprop, 2>,
@@ -48,6 +49,15 @@ using FpropKernel = cutlass::conv::kernel::ConvUniversal<cutlass::conv::ConvProb
 
 template <typename T>
 using Fprop = cutlass::conv::device::ConvUniversalAdapter<FpropKernel<T>>;
+
+template <typename T>
+struct SmemCheck {
+  static_assert(FpropKernel<T>::SharedStorageSize <= cutlass::gemm::collective::detail::sm90_smem_capacity_bytes,
+                "fprop: stages + scale/shift table exceed sm_90's shared memory");
+  static_assert(FpropMainloop<T>::DispatchPolicy::Stages >= 6, "fprop: fewer stages than the tile was tuned for");
+};
+template struct SmemCheck<cutlass::half_t>;
+template struct SmemCheck<cutlass::bfloat16_t>;
 
 template <typename T>
 char const *run_fprop(ConvGeometry const &g, void const *x, void const *w, void const *bias, void const *residual,

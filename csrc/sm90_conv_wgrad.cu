@@ -104,6 +104,20 @@ struct WgradKernel {
                                                  Layout<Shape<_16, _8>>{}, Layout<Shape<_8, _1>>{}));
   static_assert(16 * 8 == kTileN && cute::size(TransformCopy{}) == cutlass::NumThreadsPerWarpGroup);
 
+  // 16 bytes to shared memory: `v` if `keep`, else zeros (two predicated st.shared.v4, one of
+  // which stores).
+  CUTLASS_DEVICE static void store_or_zero(T *smem, uint32_t v0, uint32_t v1, uint32_t v2, uint32_t v3, uint32_t keep) {
+    uint32_t const addr = cute::cast_smem_ptr_to_uint(smem);
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "setp.ne.b32 p, %5, 0;\n\t"
+        "@p st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n\t"
+        "@!p st.shared.v4.b32 [%0], {%6, %6, %6, %6};\n\t}"
+        :
+        : "r"(addr), "r"(v0), "r"(v1), "r"(v2), "r"(v3), "r"(keep), "r"(0u)
+        : "memory");
+  }
+
   CUTLASS_DEVICE void operator()(Params const &params, char *smem_buf) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     SharedStorage &shared = *reinterpret_cast<SharedStorage *>(smem_buf);
@@ -192,34 +206,42 @@ struct WgradKernel {
     static_assert(size<0>(decltype(tXr){}) == 8 && size<1>(decltype(tXr){}) == 1, "one 8-channel vector per pixel");
     constexpr int kPixels = size<2>(decltype(tXr){});
 
-    // This thread's 8 channels are the same for every pixel and k-tile of the CTA.
+    // This thread's 8 channels are the same for every pixel and k-tile of the CTA: their
+    // {scale[c], scale[c+1], shift[c], shift[c+1]} per channel pair, zeros past C.
     int const c0 = cb * kTileN + int(get<0>(tXc(0, 0, 0)));
-    float scale[8], shift[8];
+    float4 sc_sh[4];
     CUTLASS_PRAGMA_UNROLL
-    for (int v = 0; v < 8; ++v) {
-      bool const in = c0 + v < act.C;  // C % 8 == 0: the vector is all in or all out
-      scale[v] = in ? __ldg(act.scale + c0 + v) : 0.f;
-      shift[v] = in ? __ldg(act.shift + c0 + v) : 0.f;
+    for (int q = 0; q < 4; ++q) {
+      sc_sh[q] = sm90::act_table_entry(act, c0 / 2 + q);  // C % 8 == 0: all 8 channels in or all out
     }
 
-    auto transform_stage = [&](int stage, int k_tile) {
+    // Padding mask of the k-tile's pixels: each lane tests one pixel of its warp's 16, a ballot
+    // gives thread t the bits of its 8 pixels (sm90::wgrad_lane_pixel, sm90::wgrad_ballot_bit). The
+    // lane's pixel advances by one k-tile (kTileK positions) per stage.
+    sm90::PixelWalk walk(act, k_begin * kTileK + sm90::wgrad_lane_pixel(wg_thread / 32, wg_thread % 32), kTileK);
+    int const ballot_shift = sm90::wgrad_ballot_bit(wg_thread, 0);
+    static_assert(sm90::fragment_is_compact_v<decltype(tXr.layout())>, "transform vector: register offset = element index");
+    // The stores go to &tXd(0, 0, px, stage) as 16 bytes: the same elements, in the same order, as
+    // the 128-bit loads of tXs (the copy of tXs into tXr compiles only as 16-byte vectors).
+    static_assert(cute::is_same_v<decltype(tXs.layout()), decltype(tXd.layout())>);
+    Tensor tXr32 = recast<uint32_t>(tXr);  // pixel px: registers 4·px .. 4·px + 3, channel pairs in order
+
+    // Transform the x tile of `stage` (the k-tile the walk is at) in place, then advance the walk.
+    // A padded pixel's vector is stored as zeros by a second, complementary predicated store
+    // (two STS per pixel instead of a select per register).
+    auto transform_stage = [&](int stage) {
       copy(TransformCopy{}, tXs(_, _, _, stage), tXr);
+      uint32_t const valid = __ballot_sync(0xffffffffu, walk.valid(act, r, s)) >> ballot_shift;
+      walk.advance(act, kTileK);
       CUTLASS_PRAGMA_UNROLL
       for (int px = 0; px < kPixels; ++px) {
-        int const pixel = k_tile * kTileK + int(get<1>(tXc(0, 0, px)));
-        int h0, w0;
-        sm90::output_row_origin(act, pixel, h0, w0);  // pixel = GEMM-K index = an output position
-        bool const valid = sm90::tap_in_bounds(act, h0, w0, r, s);
         CUTLASS_PRAGMA_UNROLL
-        for (int v = 0; v < 8; v += 2) {
-          float const z0 = fmaf(float(tXr(v, 0, px)), scale[v], shift[v]);
-          float const z1 = fmaf(float(tXr(v + 1, 0, px)), scale[v + 1], shift[v + 1]);
-          uint32_t const packed = valid ? sm90::relu_pack<T>(z1, z0) : 0u;
-          tXr(v, 0, px) = T::bitcast(uint16_t(packed & 0xffffu));
-          tXr(v + 1, 0, px) = T::bitcast(uint16_t(packed >> 16));
+        for (int q = 0; q < 4; ++q) {
+          tXr32(4 * px + q) = sm90::bn_relu_pair<T>(tXr32(4 * px + q), sc_sh[q]);
         }
+        store_or_zero(&tXd(0, 0, px, stage), tXr32(4 * px), tXr32(4 * px + 1), tXr32(4 * px + 2), tXr32(4 * px + 3),
+                      valid & (1u << px));
       }
-      copy(TransformCopy{}, tXr, tXd(_, _, _, stage));
       cutlass::arch::fence_view_async_shared();  // generic-proxy smem writes -> wgmma (async proxy)
       cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, 0);
     };
@@ -230,7 +252,7 @@ struct WgradKernel {
     warpgroup_fence_operand(accum);
 
     pipeline.consumer_wait(read_state);
-    transform_stage(read_state.index(), k_begin);
+    transform_stage(read_state.index());
     CUTLASS_PRAGMA_NO_UNROLL
     for (int t = 0; t < k_count; ++t) {
       int const stage = read_state.index();
@@ -245,7 +267,7 @@ struct WgradKernel {
       ++read_state;
       if (t + 1 < k_count) {
         pipeline.consumer_wait(read_state);
-        transform_stage(read_state.index(), k_begin + t + 1);  // overlaps the wgmma of stage t
+        transform_stage(read_state.index());  // overlaps the wgmma of stage t
       }
       warpgroup_wait<0>();
       warpgroup_fence_operand(accum);
@@ -314,7 +336,8 @@ char const *run_wgrad(ConvGeometry const &g, void const *dy, void const *x, floa
   using Collective = typename Kernel::Collective;
   auto const problem = sm90::problem_shape<cutlass::conv::Operator::kWgrad>(g);
   typename Collective::Arguments mainloop_args{static_cast<T const *>(dy), static_cast<T const *>(x)};
-  if (!Collective::can_implement(problem, mainloop_args) || g.C % 8 != 0 || g.K % 8 != 0) {
+  bool const vectors_aligned = reinterpret_cast<uintptr_t>(scale) % 8 == 0 && reinterpret_cast<uintptr_t>(shift) % 8 == 0;
+  if (!Collective::can_implement(problem, mainloop_args) || g.C % 8 != 0 || g.K % 8 != 0 || !vectors_aligned) {
     return kSm90Unsupported;
   }
   int64_t const pixels = int64_t(g.N) * g.P * g.Q;

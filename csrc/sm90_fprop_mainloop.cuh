@@ -13,18 +13,24 @@
 // Consumer side (one warpgroup, 128 threads): the activation operand goes to registers and wgmma
 // reads it from there (register-sourced A, "RS"), as CUTLASS's mixed-input GEMM mainloop
 // `cutlass/gemm/collective/sm90_mma_tma_gmma_rs_warpspecialized_mixed_input.hpp`, whose k-block
-// pipelining this follows step for step: per k-block an smem->register copy (two blocks ahead), the
-// transform of the next block into the MMA fragment after `warpgroup_wait<K_BLOCKS-1>` has retired
-// the wgmma that last read it, and the smem stage released one k-tile later. The transform of a
-// pair of channels (c, c+1) of one output row:
+// pipelining this follows step for step: per k-block an smem->register copy (ldmatrix, two blocks
+// ahead), the transform of the next block into the MMA fragment after `warpgroup_wait<K_BLOCKS-1>`
+// has retired the wgmma that last read it, and the smem stage released one k-tile later. The
+// transform of a pair of channels (c, c+1) of one output row, one 32-bit register:
 //
 //   z = x·scale[c] + shift[c]  in fp32 (fmaf),  a = cvt.rn.relu.{f16x2,bf16x2}.f32(z)   (NaN kept)
 //   a = 0 where tap (r, s) of that row lies in the padding,
 //
-// with the padding decided from coordinates (row -> (n, p, q), k-tile -> (channel block, s, r)), not
-// from the values: the TMA fills out-of-bounds taps with zeros of x, and relu(0·scale + shift) is not
-// a zero of a. Channels past C read scale = shift = 0 (and the TMA zero-fills x there), so they
-// contribute relu(0) = 0 · w = 0.
+// (bn_relu_pair in sm90_common.cuh: unpack, two FFMA, one F2FP.RELU, then an AND with the row's
+// mask) with the padding decided from coordinates (row -> (n, p, q), k-tile -> (channel block, s,
+// r)), not from the values: the TMA fills out-of-bounds taps with zeros of x, and relu(0·scale +
+// shift) is not a zero of a. The per-thread work is hoisted out of the k-loop: a thread's registers
+// cover 4 distinct rows and, per k-block, 2 distinct channel pairs (PairSlots), so the receptive-field
+// origins of the 4 rows are computed once per CTA, their padding masks once per k-tile, and
+// scale/shift come from a table in shared memory, {scale[c], scale[c+1], shift[c], shift[c+1]} per
+// channel pair of all channel blocks, filled once per CTA by the consumer warpgroup and read with
+// two 16-byte loads per k-block. Channels past C read zeros there (and the TMA zero-fills x), so
+// they contribute relu(0) = 0 · w = 0.
 //
 // Kernel contract (checked where it can be): the kernel layer is CUTLASS's non-persistent
 // `KernelImplicitTmaWarpSpecializedSm90` (`cutlass/gemm/kernel/sm90_gemm_tma_warpspecialized.hpp`)
@@ -85,6 +91,13 @@ constexpr bool pairs_share_row_and_register() {
 
 }  // namespace detail
 
+// Channels the per-CTA scale/shift table of FpropBnReluMainloop holds (can_implement refuses larger
+// C), and its smem bytes (to carve out of the stage count). 32 KiB: with the six 32 KiB stages of
+// the 128x128x64 tile the kernel stays under sm_90's 227 KiB (CUTLASS's non-persistent kernel puts
+// the epilogue's smem in a union with the mainloop's).
+constexpr int kFpropTableChannels = 4096;
+constexpr int kFpropTableBytes = kFpropTableChannels / 2 * 16;
+
 template <class T, class TileShape_, class StageCountType>
 struct FpropBnReluMainloop : FpropSsCollective<T, TileShape_, StageCountType> {
   using Base = FpropSsCollective<T, TileShape_, StageCountType>;
@@ -95,7 +108,15 @@ struct FpropBnReluMainloop : FpropSsCollective<T, TileShape_, StageCountType> {
   using SmemLayoutB = typename Base::SmemLayoutB;
   using MainloopPipeline = typename Base::MainloopPipeline;
   using PipelineState = typename Base::PipelineState;
-  using TensorStorage = typename Base::TensorStorage;
+  static constexpr int kMaxChannels = kFpropTableChannels;
+  // The collective's smem plus the table: entry i = {scale[2i], scale[2i+1], shift[2i], shift[2i+1]},
+  // zeros for channels >= C up to the last channel block's end. The consumer warpgroup fills it once
+  // per CTA; the producer (CUTLASS's load(), which takes the base type) never touches it.
+  struct TensorStorage : Base::TensorStorage {
+    alignas(16) float4 act_table[kMaxChannels / 2];
+  };
+  static_assert(int(sizeof(float4)) * (kMaxChannels / 2) == kFpropTableBytes);
+  static constexpr uint32_t kTableBarrier = 0;  // user named barrier id (CUTLASS offsets it past its own)
   using ProblemShape = typename Base::ProblemShape;
   using DispatchPolicy = typename Base::DispatchPolicy;
 
@@ -108,10 +129,11 @@ struct FpropBnReluMainloop : FpropSsCollective<T, TileShape_, StageCountType> {
   using TiledMma = decltype(cute::make_tiled_mma(cute::GMMA::rs_op_selector<
       T, T, float, cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::Int<kTileK>>, cute::GMMA::Major::K,
       cute::GMMA::Major::K>()));
-  // smem -> register copy of A in the wgmma register layout, as CUTLASS's RS GEMM builder chooses it
-  // (gemm/collective/builders/sm90_gmma_builder.inl, GMMA_TMA_WS_RS): vectorized 32-bit loads of
-  // channel pairs from the swizzled K-major tile.
-  using SmemCopyAtomA = cute::Copy_Atom<cute::AutoVectorizingCopy, T>;
+  // smem -> register copy of A in the wgmma register layout: ldmatrix .x4 (a warp's 16 rows x 16
+  // channels of a k-block in one instruction, four registers per thread) from the swizzled K-major
+  // tile; make_tiled_copy_A tiles it to the RS TiledMMA's A layout (checked against the PTX
+  // definition of ldmatrix in checks/sm90_layout_checks.cu).
+  using SmemCopyAtomA = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, T>;
 
   static_assert(cute::is_same_v<typename DispatchPolicy::Schedule, cutlass::conv::KernelImplicitTmaWarpSpecializedSm90>,
                 "mma() takes its m-tile from blockIdx.x: only the non-persistent schedule computes one tile per CTA");
@@ -149,6 +171,7 @@ struct FpropBnReluMainloop : FpropSsCollective<T, TileShape_, StageCountType> {
     ok = ok && t.scale != nullptr && t.shift != nullptr && t.C % 8 == 0;
     ok = ok && reinterpret_cast<uintptr_t>(t.scale) % 8 == 0 && reinterpret_cast<uintptr_t>(t.shift) % 8 == 0;
     ok = ok && t.channel_blocks == (t.C + kTileK - 1) / kTileK && t.M > 0;
+    ok = ok && t.channel_blocks * kTileK <= kMaxChannels;
     return ok;
   }
 
@@ -208,43 +231,70 @@ struct FpropBnReluMainloop : FpropSsCollective<T, TileShape_, StageCountType> {
       });
     }
 
+    static_assert(fragment_is_compact<decltype(tCrA_mma.layout()), decltype(size(tCrA_mma))::value>() &&
+                      fragment_is_compact<decltype(tCrA_load.layout()), decltype(size(tCrA_load))::value>(),
+                  "A fragments: register offset = element index");
+    using Slots = PairSlotsOf<decltype(tCcA.layout()), kPairs>;
+    constexpr int kRowSlots = Slots::rows;
+    constexpr int kChanSlots = Slots::chans;
+    static_assert(
+        [] {
+          for (int j = 0; j < kPairs; ++j) {
+            if (Slots::chan_off(j) % 2 != 0) return false;
+          }
+          return true;
+        }(),
+        "pairs start at even channel offsets (table entries are channel pairs)");
+
     ActivationTransform const &act = params.act;
-    float2 const *scale2 = reinterpret_cast<float2 const *>(act.scale);
-    float2 const *shift2 = reinterpret_cast<float2 const *>(act.shift);
 
-    // Receptive-field origin of the row of every register pair (rows repeat; identical
-    // expressions, so the compiler keeps one value per distinct row).
-    int const m_tile = int(blockIdx.x) * kTileM;
-    Tensor tCcA_b0 = tCcA(_, _, 0);
-    int row_h0[kPairs];
-    int row_w0[kPairs];
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kPairs; ++j) {
-      output_row_origin(act, m_tile + int(get<0>(tCcA_b0(2 * j))), row_h0[j], row_w0[j]);
+    // Scale/shift table of all channel blocks, built once per CTA by the consumer warpgroup.
+    float4 *table = shared_tensors.act_table;
+    for (int i = thread_idx; i < act.channel_blocks * (kTileK / 2); i += cutlass::NumThreadsPerWarpGroup) {
+      table[i] = act_table_entry(act, i);
     }
+    cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kTableBarrier);
 
-    // Transform k-block `b` of the k-tile at filter tap `tap`: tCrA_load(_,_,b) -> tCrA_mma(_,_,b).
-    auto transform_block = [&](int b, KTileTap const &tap) {
-      Tensor src = tCrA_load(_, _, b);
-      Tensor dst = tCrA_mma(_, _, b);
-      Tensor crd = tCcA(_, _, b);
-      int const channel0 = tap.cb * kTileK;
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kPairs; ++j) {
-        int const c = channel0 + int(get<1>(crd(2 * j)));  // even: channels c, c+1
-        float2 sc = make_float2(0.f, 0.f);
-        float2 sh = make_float2(0.f, 0.f);
-        if (c < act.C) {
-          sc = __ldg(scale2 + c / 2);
-          sh = __ldg(shift2 + c / 2);
-        }
-        float const z0 = fmaf(float(src(2 * j)), sc.x, sh.x);
-        float const z1 = fmaf(float(src(2 * j + 1)), sc.y, sh.y);
-        uint32_t packed = relu_pack<T>(z1, z0);
-        packed = tap_in_bounds(act, row_h0[j], row_w0[j], tap.r, tap.s) ? packed : 0u;
-        dst(2 * j) = T::bitcast(uint16_t(packed & 0xffffu));
-        dst(2 * j + 1) = T::bitcast(uint16_t(packed >> 16));
-      }
+    // The thread's first element (row m0, channel k0; k0 even) and the receptive-field origin of
+    // each of its distinct rows.
+    int const m0 = int(blockIdx.x) * kTileM + int(get<0>(tCcA(0)));
+    int const k0 = int(get<1>(tCcA(0)));
+    int row_h0[kRowSlots];
+    int row_w0[kRowSlots];
+    cute::for_each(make_int_sequence<kRowSlots>{}, [&](auto r) {
+      constexpr int kOffset = Slots::slot_row_off(decltype(r)::value);
+      output_row_origin(act, m0 + kOffset, row_h0[r], row_w0[r]);
+    });
+
+    // Per k-tile: the padding test of each distinct row at the tile's tap, and the tile's part of
+    // the table (channel block cb, from the thread's first channel pair).
+    uint32_t row_mask[kRowSlots];  // all ones where the row's tap is inside x, zero in the padding
+    float4 const *tile_table = table;
+    auto prepare_tile = [&](KTileTap const &tap) {
+      cute::for_each(make_int_sequence<kRowSlots>{}, [&](auto r) {
+        row_mask[r] = tap_in_bounds(act, row_h0[r], row_w0[r], tap.r, tap.s) ? ~0u : 0u;
+      });
+      tile_table = table + fprop_table_tile_base(tap.cb, k0, kTileK);
+    };
+
+    // Transform k-block `b` of the current k-tile: tCrA_load(_,_,b) -> tCrA_mma(_,_,b), a 32-bit
+    // register (channel pair of one row) at a time.
+    Tensor load32 = recast<uint32_t>(tCrA_load);
+    Tensor mma32 = recast<uint32_t>(tCrA_mma);
+    static_assert(decltype(size(load32))::value == kPairs * K_BLOCK_MAX && decltype(size(mma32))::value == kPairs * K_BLOCK_MAX);
+    auto transform_block = [&](auto b) {
+      constexpr int kB = decltype(b)::value;
+      float4 t[kChanSlots];
+      cute::for_each(make_int_sequence<kChanSlots>{}, [&](auto c) {
+        constexpr int kEntry = fprop_table_block_offset(Slots::slot_chan_off(decltype(c)::value), kB);
+        t[c] = tile_table[kEntry];
+      });
+      cute::for_each(make_int_sequence<kPairs>{}, [&](auto j) {
+        constexpr int kJ = decltype(j)::value;
+        constexpr int kReg = kJ + kPairs * kB;
+        uint32_t const a = bn_relu_pair<T>(load32(kReg), t[Slots::chan_slot(kJ)]);
+        mma32(kReg) = a & row_mask[Slots::row_slot(kJ)];
+      });
     };
     auto copy_block = [&](int b, int stage) { copy(smem_tiled_copy_A, tCsA_copy(_, _, b, stage), tCrA_copy(_, _, b)); };
 
@@ -264,6 +314,7 @@ struct FpropBnReluMainloop : FpropSsCollective<T, TileShape_, StageCountType> {
     };
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     KTileTap tap;  // filter tap of the k-tile whose blocks are being transformed
+    prepare_tile(tap);
 
     warpgroup_fence_operand(accum);
 
@@ -277,21 +328,21 @@ struct FpropBnReluMainloop : FpropSsCollective<T, TileShape_, StageCountType> {
 
       copy_block(0, read_stage);
       copy_block(1, read_stage);
-      transform_block(0, tap);
+      transform_block(Int<0>{});
 
-      CUTLASS_PRAGMA_UNROLL
-      for (int k_block = 0; k_block < K_BLOCK_MAX; ++k_block) {
+      cute::for_each(make_int_sequence<K_BLOCK_MAX>{}, [&](auto kb) {
+        constexpr int k_block = decltype(kb)::value;
         warpgroup_arrive();
         cute::gemm(tiled_mma, tCrA_mma(_, _, k_block), tCrB(_, _, k_block, read_stage), accum);
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
         warpgroup_commit_batch();
-        if (k_block < K_BLOCK_MAX - 2) {
+        if constexpr (k_block < K_BLOCK_MAX - 2) {
           copy_block(k_block + 2, read_stage);
         }
-        if (k_block < K_BLOCK_MAX - 1) {
-          transform_block(k_block + 1, tap);
+        if constexpr (k_block < K_BLOCK_MAX - 1) {
+          transform_block(Int<k_block + 1>{});
         }
-      }
+      });
 
       --k_tile_count;
       if (k_tile_count > 0) {
@@ -301,7 +352,8 @@ struct FpropBnReluMainloop : FpropSsCollective<T, TileShape_, StageCountType> {
         // The wgmma that read block 0 of this tile must be done before block 0 is overwritten.
         warpgroup_wait<K_WAIT_MAX>();
         tap.advance(act);
-        transform_block(0, tap);
+        prepare_tile(tap);
+        transform_block(Int<0>{});
       }
     }
     if (k_tile_count == 0) {
@@ -316,25 +368,26 @@ struct FpropBnReluMainloop : FpropSsCollective<T, TileShape_, StageCountType> {
       int const read_stage = smem_pipe_read.index();
       ++smem_pipe_read;
       warpgroup_fence_operand(accum);
-      CUTLASS_PRAGMA_UNROLL
-      for (int k_block = 0; k_block < K_BLOCK_MAX; ++k_block) {
+      cute::for_each(make_int_sequence<K_BLOCK_MAX>{}, [&](auto kb) {
+        constexpr int k_block = decltype(kb)::value;
         mma_block(k_block, read_stage);
-        if (k_block == 0) {
+        if constexpr (k_block == 0) {
           barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
         }
-        if (k_block == K_BLOCK_MAX - 1) {
+        if constexpr (k_block == K_BLOCK_MAX - 1) {
           pipeline.consumer_wait(smem_pipe_read, barrier_token);
           copy_block(0, smem_pipe_read.index());
           copy_block(1, smem_pipe_read.index());
           tap.advance(act);
-          transform_block(0, tap);
+          prepare_tile(tap);
+          transform_block(Int<0>{});
         } else {
-          if (k_block < K_BLOCK_MAX - 2) {
+          if constexpr (k_block < K_BLOCK_MAX - 2) {
             copy_block(k_block + 2, read_stage);
           }
-          transform_block(k_block + 1, tap);
+          transform_block(Int<k_block + 1>{});
         }
-      }
+      });
       warpgroup_fence_operand(accum);
     }
 
@@ -343,16 +396,16 @@ struct FpropBnReluMainloop : FpropSsCollective<T, TileShape_, StageCountType> {
     {
       int const read_stage = smem_pipe_read.index();
       warpgroup_fence_operand(accum);
-      CUTLASS_PRAGMA_UNROLL
-      for (int k_block = 0; k_block < K_BLOCK_MAX; ++k_block) {
+      cute::for_each(make_int_sequence<K_BLOCK_MAX>{}, [&](auto kb) {
+        constexpr int k_block = decltype(kb)::value;
         mma_block(k_block, read_stage);
-        if (k_block < K_BLOCK_MAX - 2) {
+        if constexpr (k_block < K_BLOCK_MAX - 2) {
           copy_block(k_block + 2, read_stage);
         }
-        if (k_block < K_BLOCK_MAX - 1) {
-          transform_block(k_block + 1, tap);
+        if constexpr (k_block < K_BLOCK_MAX - 1) {
+          transform_block(Int<k_block + 1>{});
         }
-      }
+      });
     }
     warpgroup_fence_operand(accum);
   }

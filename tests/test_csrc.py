@@ -180,8 +180,12 @@ def test_build_config_missing_cutlass_says_how_to_install(monkeypatch, tmp_path)
 def test_sm90_thread_mappings_and_padding_arithmetic_on_the_host(tmp_path):
     """csrc/checks/sm90_layout_checks.cu, compiled with nvcc and run on the CPU (no GPU needed): the
     register/smem fragments the sm90 transforms work on cover their tiles exactly once with the
-    channel pairing the code assumes, the k-tile walk follows CUTLASS's (C, S, R) order, and the
-    padding test agrees with the definition of the convolution (strides, dilation, padding)."""
+    channel pairing the code assumes; the fprop's ldmatrix copy, simulated per PTX, delivers every
+    element where the wgmma expects it; its row/channel slots and scale/shift table lookups give each
+    register's row and channels (partial channel blocks, zeros past C); the fp32 transform of a pair
+    (unpack, FMA, ReLU with NaN kept) matches its definition; the wgrad padding ballot and pixel walk
+    give each thread its pixels' padding tests; the k-tile walk follows CUTLASS's (C, S, R) order, and
+    the padding test agrees with the definition of the convolution (strides, dilation, padding)."""
     import shutil
 
     cfg = _build_config()
@@ -386,6 +390,25 @@ def test_sm90_dispatch_runs_the_cutlass3_kernels():
     assert "ReluBackward" in names, names  # the dgrad epilogue's visitor tree
     assert "WgradKernel" in names, names
     assert "ImplicitGemmConvolution" not in names, names  # no CUTLASS 2.x kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("channels", [4096, 4104])
+def test_sm90_fprop_scale_table_limit(channels):
+    """The sm90 fprop keeps scale/shift of up to 4096 channels in shared memory: C = 4096 runs it, C = 4104
+    falls back to the 2.x fprop; both match float64."""
+    cu = _require_gpu_backend()
+    _require_sm90(cu)
+    shape = (1, channels, 4, 4, 8, 1, 1, 1, 0, 1)
+    _check_against_float64(cu, shape, torch.bfloat16, True)
+    x, w, b, gamma, beta, rm, rv, (st, pd, dl) = _problem(shape, torch.bfloat16, True)
+    mean, var = cu.batch_stats(x)
+    invstd = torch.rsqrt(var + 1e-5)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        cu.fprop(x, w, b, mean, invstd, gamma, beta, st, pd, dl, 1)
+        torch.cuda.synchronize()
+    names = " ".join(e.name for e in prof.events())
+    assert ("FpropBnReluMainloop" in names) == (channels <= 4096), names
 
 
 @pytest.mark.gpu

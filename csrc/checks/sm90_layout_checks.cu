@@ -5,14 +5,23 @@
 //   1. fprop (sm90_fprop_mainloop.cuh): the register-sourced A fragment of the RS TiledMMA, located
 //      with a partitioned identity tensor, covers the 128x64 x tile exactly once over the 128 threads;
 //      each 32-bit register holds channels (k, k+1) of one row; rows do not depend on the k-block.
-//   2. wgrad (sm90_conv_wgrad.cu): the 16-byte transform copy covers the 128x64 x tile exactly once,
+//      The ldmatrix copy into that fragment, simulated per the PTX definition of ldmatrix .x4,
+//      delivers each element to the register the wgmma expects it in. The row/channel slots
+//      (PairSlotsOf) give every register's row and channels, and the scale/shift table (filled
+//      with act_table_entry, read at fprop_table_tile_base + fprop_table_block_offset) holds that
+//      channel pair's scale/shift, zeros past C, for partial channel blocks.
+//   2. bn_relu_pair / unpack_pair (sm90_common.cuh) against the definition for fp16 and bf16,
+//      NaN, ±inf, ±0, subnormal and large values, scale/shift beyond fp16's range.
+//   3. wgrad (sm90_conv_wgrad.cu): the 16-byte transform copy covers the 128x64 x tile exactly once,
 //      a thread's vector is 8 consecutive channels of one pixel and its channels do not change with
-//      the pixel; the accumulator pairs the epilogue stores are adjacent output columns; the n-tile
-//      coordinate gives the channel block and filter tap the transform and the epilogue use.
-//   3. KTileTap walks k-tiles in CUTLASS's fprop GEMM-K order (channel block, s, r) — checked against
+//      the pixel; the padding ballot (wgrad_lane_pixel, wgrad_ballot_bit) gives each thread its own
+//      pixels' bits; the accumulator pairs the epilogue stores are adjacent output columns; the
+//      n-tile coordinate gives the channel block and filter tap the transform and the epilogue use.
+//   4. KTileTap walks k-tiles in CUTLASS's fprop GEMM-K order (channel block, s, r) — checked against
 //      CuTe's own tiling of the (C, S, R) mode as CUTLASS's collective and kernel do it — and
 //      output_row_origin + tap_in_bounds decide padding exactly as the definition of the
-//      convolution, for strided, dilated and padded geometries (brute force).
+//      convolution, for strided, dilated and padded geometries (brute force); so does PixelWalk
+//      (the wgrad's per-lane pixel advanced by carries, one k-tile per step) from every start.
 #include "sm90_common.cuh"
 
 #include "cute/tensor.hpp"
@@ -20,6 +29,7 @@
 #include "cute/atom/copy_atom.hpp"
 #include "cutlass/gemm/collective/builders/sm90_common.inl"
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -69,6 +79,140 @@ void check_fprop_fragment() {
   }
 }
 
+// The smem -> register copy of the fprop A operand (ldmatrix .x4, tiled by make_tiled_copy_A on the
+// RS TiledMMA) simulated per the PTX definition of ldmatrix: in each .x4 the lanes 8i..8i+7 give the
+// row addresses of 8x8 matrix i, and lane t receives in register i the elements (t/4, 2(t%4)) and
+// (t/4, 2(t%4)+1) of matrix i. Every register must receive the (m, k) the wgmma expects there.
+template <class T>
+void check_fprop_ldmatrix_copy() {
+  constexpr int M = 128, K = 64;
+  using TiledMma = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<T, T, float, Shape<Int<M>, _128, Int<K>>, GMMA::Major::K, GMMA::Major::K>()));
+  auto tiled_copy = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, T>{}, TiledMma{});
+  auto cA = make_identity_tensor(make_shape(Int<M>{}, Int<K>{}));
+  for (int warp = 0; warp < 4; ++warp) {
+    // Source rows and expected destinations of every lane, per copy instruction (CPY_M, CPY_K).
+    using Src = decltype(tiled_copy.get_thread_slice(0).partition_S(cA));
+    using Dst = decltype(tiled_copy.get_thread_slice(0).retile_D(TiledMma{}.get_thread_slice(0).partition_A(cA)));
+    std::vector<Src> src;
+    std::vector<Dst> dst;
+    for (int lane = 0; lane < 32; ++lane) {
+      int const t = 32 * warp + lane;
+      src.push_back(tiled_copy.get_thread_slice(t).partition_S(cA));
+      dst.push_back(tiled_copy.get_thread_slice(t).retile_D(TiledMma{}.get_thread_slice(t).partition_A(cA)));
+    }
+    CHECK(size<0>(src[0]) == 8 && size<0>(dst[0]) == 8, "ldmatrix: 8 values per lane and instruction");
+    for (int cm = 0; cm < size<1>(src[0]); ++cm) {
+      for (int ck = 0; ck < size<2>(src[0]); ++ck) {
+        for (int lane = 0; lane < 32; ++lane) {
+          // The row this lane addresses: 8 consecutive channels of one row.
+          for (int v = 1; v < 8; ++v) {
+            CHECK(get<0>(src[lane](v, cm, ck)) == get<0>(src[lane](0, cm, ck)) &&
+                      int(get<1>(src[lane](v, cm, ck))) == int(get<1>(src[lane](0, cm, ck))) + v,
+                  "ldmatrix: lane %d of warp %d does not address 8 consecutive channels", lane, warp);
+          }
+          for (int i = 0; i < 4; ++i) {
+            auto const row = src[8 * i + lane / 4](0, cm, ck);  // matrix i, row lane/4
+            for (int h = 0; h < 2; ++h) {
+              auto const got = dst[lane](2 * i + h, cm, ck);
+              int const m = get<0>(row), k = int(get<1>(row)) + 2 * (lane % 4) + h;
+              CHECK(int(get<0>(got)) == m && int(get<1>(got)) == k,
+                    "ldmatrix: warp %d lane %d reg %d.%d gets (%d, %d), the wgmma expects (%d, %d)", warp, lane, i, h, m,
+                    k, int(get<0>(got)), int(get<1>(got)));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The transform's row and channel slots (sm90::PairSlotsOf) and the scale/shift table lookup of
+// FpropBnReluMainloop, for every thread, k-block, pair and channel block, C with partial blocks:
+// pair j of k-block b is (m0 + slot_row_off(row_slot(j)), k0 + slot_chan_off(chan_slot(j)) + 16b) and
+// the table entry it reads holds that channel pair's scale/shift (zeros past C).
+template <class T>
+void check_fprop_slots_and_table(int C) {
+  constexpr int M = 128, K = 64;
+  using TiledMma = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<T, T, float, Shape<Int<M>, _128, Int<K>>, GMMA::Major::K, GMMA::Major::K>()));
+  auto cA = make_identity_tensor(make_shape(Int<M>{}, Int<K>{}));
+  using CoordL = decltype(TiledMma{}.get_thread_slice(0).partition_A(cA).layout());
+  constexpr int kPerBlock = decltype(size<0>(CoordL{}) * size<1>(CoordL{}))::value;
+  constexpr int kPairs = kPerBlock / 2;
+  using Slots = sm90::PairSlotsOf<CoordL, kPairs>;
+  CHECK(Slots::rows == 4 && Slots::chans == 2, "fprop slots: %d rows, %d channel pairs per k-block", Slots::rows,
+        Slots::chans);
+
+  ConvGeometry g = {};
+  g.C = C;
+  g.N = g.H = g.W = g.P = g.Q = g.R = g.S = g.K = 1;
+  std::vector<float> scale(C), shift(C);
+  for (int c = 0; c < C; ++c) {
+    scale[c] = 1.0f + c;
+    shift[c] = -0.5f - c;
+  }
+  sm90::ActivationTransform const act = sm90::make_activation_transform(g, scale.data(), shift.data(), K);
+  std::vector<float4> table(act.channel_blocks * K / 2);
+  for (int i = 0; i < int(table.size()); ++i) {
+    table[i] = sm90::act_table_entry(act, i);
+  }
+  for (int t = 0; t < 128; ++t) {
+    auto c = TiledMma{}.get_thread_slice(t).partition_A(cA);
+    int const m0 = get<0>(c(0)), k0 = get<1>(c(0));
+    CHECK(k0 % 2 == 0, "fprop: first channel of thread %d is odd", t);
+    for (int b = 0; b < size<2>(c); ++b) {
+      for (int j = 0; j < kPairs; ++j) {
+        auto const e = c(2 * j + kPerBlock * b);
+        int const m = m0 + Slots::slot_row_off(Slots::row_slot(j));
+        int const k = k0 + Slots::slot_chan_off(Slots::chan_slot(j)) + 16 * b;
+        CHECK(int(get<0>(e)) == m && int(get<1>(e)) == k, "fprop slots: thread %d block %d pair %d", t, b, j);
+        for (int cb = 0; cb < act.channel_blocks; ++cb) {
+          float4 const got = table[sm90::fprop_table_tile_base(cb, k0, K) +
+                                   sm90::fprop_table_block_offset(Slots::slot_chan_off(Slots::chan_slot(j)), b)];
+          int const ch = cb * K + k;
+          bool const in = ch < C;
+          CHECK(got.x == (in ? scale[ch] : 0.f) && got.y == (in ? scale[ch + 1] : 0.f) &&
+                    got.z == (in ? shift[ch] : 0.f) && got.w == (in ? shift[ch + 1] : 0.f),
+                "fprop table: channel %d (C = %d)", ch, C);
+        }
+      }
+    }
+  }
+}
+
+// bn_relu_pair against the definition, value by value: x -> fp32 exactly, fmaf(x, scale, shift),
+// relu with NaN kept and -inf -> 0, rounded to the operand type (round to nearest even).
+template <class T>
+void check_bn_relu_pair() {
+  std::vector<float> const xs = {0.f, -0.f, 1.f, -1.f, 3.25f, -7.5f, 1e-3f, 6e4f, -6e4f, 1e30f,
+                                 INFINITY, -INFINITY, NAN, 5.96e-8f, 0.1f};
+  std::vector<float4> const ts = {make_float4(1.f, 2.f, 0.f, -1.f), make_float4(9e4f, -9e4f, 1e5f, 3.f),
+                                  make_float4(0.f, 0.f, 2.f, -2.f), make_float4(-1.f, 0.5f, 0.f, 0.25f)};
+  auto bits = [](T v) { return uint32_t(v.raw()); };
+  for (float lo : xs) {
+    for (float hi : xs) {
+      T const xl(lo), xh(hi);
+      uint32_t const packed = bits(xl) | (bits(xh) << 16);
+      float2 const f = sm90::unpack_pair<T>(packed);
+      CHECK((std::isnan(f.x) && std::isnan(float(xl))) || f.x == float(xl), "unpack lo %g", double(lo));
+      CHECK((std::isnan(f.y) && std::isnan(float(xh))) || f.y == float(xh), "unpack hi %g", double(hi));
+      for (float4 const &t : ts) {
+        uint32_t const got = sm90::bn_relu_pair<T>(packed, t);
+        float const z[2] = {std::fmaf(float(xl), t.x, t.z), std::fmaf(float(xh), t.y, t.w)};
+        for (int h = 0; h < 2; ++h) {
+          T const out = T::bitcast(uint16_t(got >> (16 * h)));
+          float const ref = std::isnan(z[h]) ? NAN : (z[h] < 0.f ? 0.f : z[h]);
+          bool const ok = std::isnan(ref) ? std::isnan(float(out)) : bits(out) == bits(T(ref)) ||
+                                                                        (ref == 0.f && float(out) == 0.f);
+          CHECK(ok, "bn_relu_pair: x=%g scale=%g shift=%g gives %g, expected %g", double(h ? hi : lo),
+                double(h ? t.y : t.x), double(h ? t.w : t.z), double(float(out)), double(T(ref)));
+        }
+      }
+    }
+  }
+}
+
 template <class T>
 void check_wgrad_mappings() {
   constexpr int N = 128, K = 64;
@@ -91,6 +235,17 @@ void check_wgrad_mappings() {
   }
   for (int i = 0; i < N * K; ++i) {
     CHECK(hits[i] == 1, "wgrad: x tile element (%d, %d) covered %d times", i / K, i % K, hits[i]);
+  }
+  // The padding ballot: pixel px of thread t is the one lane wgrad_ballot_bit(t, px) of t's warp
+  // tests (sm90::wgrad_lane_pixel), and lanes 16..31 repeat lanes 0..15.
+  for (int t = 0; t < 128; ++t) {
+    Tensor c = Copy{}.get_thread_slice(t).partition_S(make_identity_tensor(make_shape(Int<N>{}, Int<K>{})));
+    for (int px = 0; px < size<2>(c); ++px) {
+      int const bit = sm90::wgrad_ballot_bit(t, px);
+      CHECK(bit >= 0 && bit < 16 && sm90::wgrad_lane_pixel(t / 32, bit) == int(get<1>(c(0, 0, px))) &&
+                sm90::wgrad_lane_pixel(t / 32, bit + 16) == int(get<1>(c(0, 0, px))),
+            "wgrad ballot: thread %d pixel %d (bit %d)", t, px, bit);
+    }
   }
   // Accumulator pairs of the SS TiledMMA of CUTLASS's wgrad collective (128 x 128 tile, one warpgroup).
   using TiledMma = decltype(make_tiled_mma(
@@ -134,6 +289,28 @@ void check_padding_and_taps(ConvGeometry const &g, int tile_k) {
         int const w = q * g.stride_w - g.pad_w + s * g.dilation_w;
         bool const expect = row_exists && h >= 0 && h < g.H && w >= 0 && w < g.W;
         CHECK(sm90::tap_in_bounds(t, h0, w0, r, s) == expect, "padding test: m=%d r=%d s=%d", m, r, s);
+      }
+    }
+  }
+}
+
+// PixelWalk (the wgrad's per-lane pixel, one k-tile of 64 positions per step) against the
+// definition, from every start position of the first k-tiles, through M and past it.
+void check_pixel_walk(ConvGeometry const &g) {
+  sm90::ActivationTransform const t = sm90::make_activation_transform(g, nullptr, nullptr, 128);
+  int const M = g.N * g.P * g.Q;
+  for (int m0 = 0; m0 < 64 * 3; ++m0) {
+    sm90::PixelWalk walk(t, m0, 64);
+    for (int m = m0; m < M + 128; m += 64, walk.advance(t, 64)) {
+      int const q = m % g.Q, p = (m / g.Q) % g.P;
+      CHECK(walk.m == m && (m >= M || (walk.p == p && walk.q == q)), "pixel walk from %d at %d", m0, m);
+      for (int r = 0; r < g.R; ++r) {
+        for (int s = 0; s < g.S; ++s) {
+          int const h = p * g.stride_h - g.pad_h + r * g.dilation_h;
+          int const w = q * g.stride_w - g.pad_w + s * g.dilation_w;
+          bool const expect = m < M && h >= 0 && h < g.H && w >= 0 && w < g.W;
+          CHECK(walk.valid(t, r, s) == expect, "pixel walk from %d: m=%d r=%d s=%d", m0, m, r, s);
+        }
       }
     }
   }
@@ -196,6 +373,14 @@ ConvGeometry geometry(int N, int H, int W, int C, int K, int R, int S, int pad, 
 int main() {
   check_fprop_fragment<cutlass::half_t>();
   check_fprop_fragment<cutlass::bfloat16_t>();
+  check_fprop_ldmatrix_copy<cutlass::half_t>();
+  check_fprop_ldmatrix_copy<cutlass::bfloat16_t>();
+  for (int C : {8, 24, 64, 136, 200}) {
+    check_fprop_slots_and_table<cutlass::half_t>(C);
+    check_fprop_slots_and_table<cutlass::bfloat16_t>(C);
+  }
+  check_bn_relu_pair<cutlass::half_t>();
+  check_bn_relu_pair<cutlass::bfloat16_t>();
   check_wgrad_mappings<cutlass::half_t>();
   check_wgrad_mappings<cutlass::bfloat16_t>();
   ConvGeometry const cases[] = {
@@ -213,6 +398,7 @@ int main() {
   for (ConvGeometry const &g : cases) {
     check_padding_and_taps(g, 64);
     check_padding_and_taps(g, 128);
+    check_pixel_walk(g);
   }
   if (failures == 0) {
     std::printf("sm90 layout checks: all passed\n");
