@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import DEVICE
-from fused_preact.experiments.main_job import main
+from fused_preact.experiments.main_job import main, soak_passes
 
 pytest.importorskip("sklearn")
 
@@ -36,7 +36,11 @@ def test_soak_rule_small(tmp_path, capsys):
     assert r["soak"] and r["ok"] and r["tail_rel_divergence"] < 1e-3
     assert (r["mem_growth_bytes"] is None) == (DEVICE == "cpu")
     assert "pass rule (--soak): tail-mean loss divergence" in capsys.readouterr().out
-    assert main(args + ["--tolerance-soak", "-1"]) == 1  # the rule can fail
+    with pytest.raises(SystemExit) as e:  # a tolerance below 0 is refused, as a usage error
+        main(args + ["--tolerance-soak", "-1"])
+    assert e.value.code == 2
+    # the rule can fail: on the loss divergence and on memory growth
+    assert not soak_passes(2e-3, 1e-3, None) and not soak_passes(0.0, 1e-3, 2**21) and soak_passes(0.0, 1e-3, 0)
 
 
 def test_main_job_cli_help(capsys, monkeypatch):
@@ -105,3 +109,16 @@ def test_cifar10_pickle_folder(tmp_path):
     assert abs(float(d.train_x.mean())) < 1e-5
     with pytest.raises(FileNotFoundError, match="data_batch_1"):
         load_cifar10(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lr", "-1"], "--lr: must be > 0"),
+    (["--weight-decay", "-0.1"], "--weight-decay: must be ≥ 0"),
+    (["--device", "cuda:7" if DEVICE == "cuda" else "cuda"], "--device"),
+    (["--device", "potato"], "--device: not a torch device"),
+])
+def test_bad_arguments_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

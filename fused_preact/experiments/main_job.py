@@ -130,6 +130,12 @@ def parse_args(argv: Optional[list[str]] = None, cuda: bool = False) -> argparse
     return args
 
 
+def soak_passes(tail_rel_divergence: float, tolerance: float, growth_bytes: Optional[int]) -> bool:
+    """The ``--soak`` pass rule: tail-mean loss divergence ≤ ``tolerance`` and, where measured (CUDA),
+    device-memory growth after the warm-up ≤ 1 MiB."""
+    return tail_rel_divergence <= tolerance and (growth_bytes is None or growth_bytes <= 2**20)
+
+
 def _device_problem(text: str) -> Optional[str]:
     """Why ``--device`` cannot be used in this process (None if it can)."""
     import torch
@@ -311,7 +317,7 @@ def run(args: argparse.Namespace) -> dict:
         tolerance_soak=args.tolerance_soak,
     )
     if args.soak:
-        result["ok"] = result["tail_rel_divergence"] <= args.tolerance_soak and (growth is None or growth <= 2**20)
+        result["ok"] = soak_passes(result["tail_rel_divergence"], args.tolerance_soak, growth)
     else:
         result["ok"] = div <= result["limit"] and eval_div <= result["eval_limit"]
     return result
