@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_preact.bench.static import StaticJob, TensorSpec
+from tools.static_report.jobs import StaticJob, TensorSpec
 
 F32 = TensorSpec(torch.float32)
 BF16 = TensorSpec(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The static kernel report (fused_preact.bench.static) on CPU.
+"""The static kernel report (tools.static_report, run from the repository root) on CPU.
 
 The report compiles Triton kernels for sm_90/sm_80 offline, which needs TRITON_INTERPRET unset before
 ``triton`` is imported, while this suite runs with it set (conftest.py); so every compiling test runs
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fused_preact.bench import static as ST
+from tools.static_report import report as ST
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -36,7 +36,7 @@ def _triton_tools() -> bool:
 needs_tools = pytest.mark.skipif(not _triton_tools(), reason="triton's NVIDIA backend tools are not installed")
 
 
-def _static(tmp_path: Path, *args: str, module: str = "fused_preact.bench.static") -> tuple[subprocess.CompletedProcess, dict]:
+def _static(tmp_path: Path, *args: str, module: str = "tools.static_report") -> tuple[subprocess.CompletedProcess, dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS)] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -54,12 +54,12 @@ def _by(obj: dict, kernel: str) -> dict[str, dict]:
 # --------------------------------------------------------------------------- compiled (subprocess)
 @needs_tools
 def test_report_on_one_layer_and_cache(tmp_path):
-    """The op's own jobs for one CIFAR unit (bf16, fprop and the elementwise dx), through
-    ``python -m fused_preact.bench --static``: sane fields, tensor cores in the conv kernel on both
-    archs; a second run takes every compilation from the metrics cache."""
-    args = ["--static", "--models", "preact_resnet164", "--layers", "layer1.1/conv2", "--dtypes", "bf16",
+    """The op's own jobs for one CIFAR unit (bf16, fprop and the elementwise dx): sane fields, tensor
+    cores in the conv kernel on both archs; a second run takes every compilation from the metrics
+    cache."""
+    args = ["--models", "preact_resnet164", "--layers", "layer1.1/conv2", "--dtypes", "bf16",
             "--kernels", "fprop", "dx"]
-    proc, obj = _static(tmp_path, *args, module="fused_preact.bench")
+    proc, obj = _static(tmp_path, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert obj["triton"] and obj["date"] and "--layers" in obj["command"] and obj["compiled"] == obj["compilations"]
     conv = [e for e in obj["entries"] if e["conv"]]
@@ -75,7 +75,7 @@ def test_report_on_one_layer_and_cache(tmp_path):
         assert e["signature"]["x_ptr"] == "*bf16%16"  # aligned tensors carry the divisibility attribute
     assert "fprop" in proc.stdout and "regs" in proc.stdout  # the table
 
-    again, obj2 = _static(tmp_path, *args, module="fused_preact.bench")
+    again, obj2 = _static(tmp_path, *args)
     assert again.returncode == 0, again.stderr[-3000:]
     assert obj2["compiled"] == 0 and obj2["cached"] == obj["compilations"]
     strip = lambda o: [{k: v for k, v in e.items() if k != "compile_s"} for e in o["entries"]]
@@ -243,3 +243,11 @@ def test_static_refuses_under_interpreter(monkeypatch, capsys):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert ST.main(["--no-triton"]) == 2
     assert "TRITON_INTERPRET" in capsys.readouterr().err
+
+
+def test_bench_static_flag_points_to_the_tool(capsys):
+    """The installed benchmark runner no longer carries the static report: ``--static`` names the tool."""
+    from fused_preact.bench import run
+
+    assert run.main(["--static", "--arch", "90"]) == 2
+    assert "python -m tools.static_report" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """Static kernel report: compile every Triton kernel launch offline for sm_90 and sm_80 and read its SASS.
 
-``python -m fused_preact.bench.static`` (or ``python -m fused_preact.bench --static``) needs no GPU.
+``python -m tools.static_report`` (from the repository root) needs no GPU.
 For each :class:`StaticJob` — exactly what a launcher passes to a kernel, ``fn[grid](*args, **kwargs)``
 — it specializes the arguments the way a real launch does, compiles with ``triton.compile`` for
 ``GPUTarget("cuda", arch, 32)``, and reads the cubin with the ``cuobjdump``/``nvdisasm`` Triton ships. Reported per
@@ -39,7 +39,7 @@ Launch kwargs other than constexprs (``num_warps``, ``num_stages``, ``maxnreg``,
 ``CUDAOptions`` through ``CUDABackend.parse_options``; Triton compiles sm_90 as ``sm_90a``.
 
 A *job provider* maps ``(units: list[UnitShape], dtypes: list[torch.dtype])`` to StaticJobs. The
-report uses :func:`fused_preact.bench.static_chain.chain_jobs` (the launches the fused chains record
+report uses :func:`tools.static_report.jobs.chain_jobs` (the launches the fused chains record
 on the meta device), or ``--provider module:function``. Identical compilations (same Triton cache key: function source,
 signature, attributes, constexprs, options, target) are compiled once, by at most two processes;
 their metrics are cached under ``--cache-dir`` by that key, so a second run compiles nothing.
@@ -75,7 +75,9 @@ from datetime import date
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-__all__ = ["TensorSpec", "StaticJob", "specialize", "cubin_metrics", "sass_metrics", "short_name",
+from tools.static_report.jobs import StaticJob, chain_jobs
+
+__all__ = ["specialize", "cubin_metrics", "sass_metrics", "short_name",
            "default_provider", "check_entries", "format_table", "main"]
 
 #: Bumped when the metrics read from a cubin change (invalidates the metrics cache).
@@ -91,54 +93,7 @@ _WIDTHS = ("128", "64", "32", "16", "8")
 _POOL_MIN = 8
 
 
-# ----------------------------------------------------------------------------------------- jobs
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """A stand-in for a tensor argument: what Triton's specializer reads (``.dtype``, ``.data_ptr()``).
-
-    Attributes:
-        dtype: the tensor's ``torch.dtype`` (becomes the pointer type, e.g. ``*bf16``).
-        aligned: whether the data pointer is 16-byte aligned (``torch.empty`` storage is; views at an
-            offset may not be). Aligned pointers get ``tt.divisibility = 16``.
-    """
-
-    dtype: Any
-    aligned: bool = True
-
-    def data_ptr(self) -> int:
-        return 0 if self.aligned else 8
-
-
-@dataclasses.dataclass(frozen=True)
-class StaticJob:
-    """One kernel launch as a launcher makes it: ``fn[grid](*args, **kwargs)``.
-
-    Attributes:
-        kernel: report name (``fprop``, ``dgrad``, …). config: tile/launch config label
-            (e.g. ``128x64x64 w4 s3``).
-        fn: the ``@triton.jit`` function. args: positional arguments (:class:`TensorSpec` or anything
-            with ``.dtype``/``.data_ptr()``, ints, floats, bools, None). kwargs: constexprs and launch
-            options (``num_warps``, ``num_stages``, …), as passed at the launch.
-        conv: True for a convolution/GEMM kernel (``--check`` demands tensor-core instructions);
-            False for elementwise and reduction kernels.
-        variant: what else distinguishes the launch (filter size, epilogue flags), for the report.
-        dtype: activation dtype label (``bf16``, ``fp16``, ``fp32``). shape: the layer it serves.
-        archs: compute capabilities this launch exists on (None: all), e.g. when a launcher's choice
-            depends on the device (SM count).
-    """
-
-    kernel: str
-    config: str
-    fn: Any
-    args: tuple
-    kwargs: dict
-    conv: bool = True
-    variant: str = ""
-    dtype: str = ""
-    shape: str = ""
-    archs: Optional[tuple[int, ...]] = None
-
-
+# ------------------------------------------------------------------------------ specialization
 @dataclasses.dataclass
 class _Spec:
     key: str
@@ -491,11 +446,9 @@ def triton_entries(jobs: Sequence[StaticJob], archs: Sequence[int], processes: i
 
 # ------------------------------------------------------------------------------ providers, check
 def default_provider() -> tuple[Callable, str]:
-    """:func:`fused_preact.bench.static_chain.chain_jobs` (every launch of the fused chains), with its
+    """:func:`tools.static_report.jobs.chain_jobs` (every launch of the fused chains), with its
     dotted name."""
-    from fused_preact.bench.static_chain import chain_jobs
-
-    return chain_jobs, "fused_preact.bench.static_chain.chain_jobs"
+    return chain_jobs, "tools.static_report.jobs.chain_jobs"
 
 
 def _load_provider(spec: str) -> Callable:
@@ -605,7 +558,7 @@ def format_table(entries: Sequence[dict], full: bool = False) -> str:
 def _parser() -> argparse.ArgumentParser:
     from fused_preact.bench.shapes import MODEL_SPECS
 
-    p = argparse.ArgumentParser(prog="python -m fused_preact.bench.static", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.static_report", description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", nargs="+", type=int, default=list(ARCHS), help="compute capabilities (default: 90 80)")
     p.add_argument("--kernels", nargs="+", help="only jobs with these kernel names (default: all)")
     p.add_argument("--models", nargs="+", choices=sorted(MODEL_SPECS), default=["preact_resnet50", "preact_resnet164"])
@@ -613,7 +566,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", nargs="+", choices=["bf16", "fp16", "fp32"], default=["bf16", "fp16", "fp32"])
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--provider", help="job provider module:function (default: "
-                                      "fused_preact.bench.static_chain:chain_jobs)")
+                                      "tools.static_report.jobs:chain_jobs)")
     p.add_argument("--no-triton", action="store_true", help="skip the Triton kernels (with --cubins)")
     p.add_argument("--cubins", metavar="DIR", help="also report every *.cubin in DIR (CUDA C++ builds)")
     p.add_argument("--check", action="store_true", help="exit 1 if any entry spills, exceeds shared memory or "
@@ -652,7 +605,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = _parser().parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        print("fused_preact.bench.static: TRITON_INTERPRET is set, so the kernels are interpreter objects and "
+        print("tools.static_report: TRITON_INTERPRET is set, so the kernels are interpreter objects and "
               "cannot be compiled; unset it.", file=sys.stderr)
         return 2
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default (True), without its warning
@@ -681,7 +634,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         entries += csrc_entries(a.cubins)
     elapsed = round(time.perf_counter() - t0, 1)
     obj = {"triton": triton.__version__, "date": date.today().isoformat(),
-           "command": "python -m fused_preact.bench.static " + shlex.join(argv), "commit": _commit(),
+           "command": "python -m tools.static_report " + shlex.join(argv), "commit": _commit(),
            "archs": [f"sm_{x}" for x in a.arch], "provider": provider_name, **counts, "elapsed_s": elapsed,
            "entries": entries}
     out = Path(a.out)

@@ -1,0 +1,8 @@
+"""Static kernel report: every Triton launch of the fused chains compiled offline for sm_90/sm_80, and
+CUDA C++ cubins, read from their SASS (no GPU). ``python -m tools.static_report --help``; the fields,
+the main-loop model and the limits are described in ``docs/static-report.md``.
+
+Modules (imports go one way: report → compile, sass, limits, anchors → jobs):
+    report   the command line, the results file and the table
+    jobs     :class:`StaticJob` (one launch) and the fused chains' job provider
+"""
