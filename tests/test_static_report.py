@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.static_report import report as ST
+from tools.static_report import limits, report, sass
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -173,7 +173,7 @@ def test_sass_metrics_opcodes():
     ops = ["LDG.E.128", "LDG.E.128.CONSTANT", "LDG.E.64", "LDG.E", "LDG.E.LTC128B", "LDG.E.U16", "LDG.E.S8",
            "LDGSTS.E.BYPASS.128", "LDGSTS.E", "UTMALDG.2D", "HGMMA.64x64x16.F32.BF16", "HMMA.16816.F32.BF16",
            "STL", "STL.128", "LDL.LU", "STG.E.U16", "FFMA"]
-    m90, m80 = ST.sass_metrics(ops, 90), ST.sass_metrics(ops, 80)
+    m90, m80 = sass.sass_metrics(ops, 90), sass.sass_metrics(ops, 80)
     assert m90["ldg_by_width"] == {"128": 2, "64": 1, "32": 2, "16": 1, "8": 1}
     assert m90["ldgsts_by_width"]["128"] == 1 and m90["ldgsts_by_width"]["32"] == 1
     assert m90["async_copies"] == {"LDGSTS": 2, "UTMALDG": 1}
@@ -187,19 +187,19 @@ def test_sass_line_pattern():
              "        /*07e0*/               @P2 VIADD R8, R8, 0x1 ;",
              "        /*07f0*/              @!UP0 LDG.E.U16 R3, desc[UR4][R2.64] ;",
              "        /*0044*/ \t.dword\t_fprop_kernel"]
-    assert ST._SASS_INSN.findall("\n".join(lines)) == ["HGMMA.64x64x16.F32.BF16", "VIADD", "LDG.E.U16"]
-    assert len(ST._HGMMA_REG_A.findall(lines[0])) == 1
-    assert not ST._HGMMA_REG_A.findall("/*0100*/ HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24, gsb0 ;")
+    assert sass._SASS_INSN.findall("\n".join(lines)) == ["HGMMA.64x64x16.F32.BF16", "VIADD", "LDG.E.U16"]
+    assert len(sass._HGMMA_REG_A.findall(lines[0])) == 1
+    assert not sass._HGMMA_REG_A.findall("/*0100*/ HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24, gsb0 ;")
 
 
 def test_short_name():
-    assert ST.short_name("void demo::scale_kernel<8, __half>(__half const*, __half*, float, int)") == "scale_kernel<8, __half>"
-    assert ST.short_name("spill_kernel") == "spill_kernel"
+    assert sass.short_name("void demo::scale_kernel<8, __half>(__half const*, __half*, float, int)") == "scale_kernel<8, __half>"
+    assert sass.short_name("spill_kernel") == "spill_kernel"
     long = ("void cutlass::Kernel2<cutlass::conv::kernel::ImplicitGemmConvolution<cutlass::conv::threadblock::Mma<A<1>, B>, "
             "cutlass::epilogue::E<2> > >(cutlass::conv::kernel::ImplicitGemmConvolution<X>::Params)")
-    assert ST.short_name(long) == "Kernel2<ImplicitGemmConvolution<…> >"
-    assert ST.short_name("void (anonymous namespace)::bn_fwd<float, 4>(float*)") == "bn_fwd<float, 4>"
-    assert len(ST.short_name("k<" + ", ".join(["int"] * 100) + ">")) == 90
+    assert sass.short_name(long) == "Kernel2<ImplicitGemmConvolution<…> >"
+    assert sass.short_name("void (anonymous namespace)::bn_fwd<float, 4>(float*)") == "bn_fwd<float, 4>"
+    assert len(sass.short_name("k<" + ", ".join(["int"] * 100) + ">")) == 90
 
 
 def _entry(**kw) -> dict:
@@ -214,14 +214,14 @@ def _entry(**kw) -> dict:
 
 def test_check_rules_and_table():
     ok = _entry()
-    assert ST.check_entries([ok, _entry(conv=False, mma=0, mma_by_op={})]) == []
-    bad = ST.check_entries([_entry(stack_bytes=16, spill_stores=3, spill_loads=2), _entry(mma=0, mma_by_op={"HMMA": 4}),
+    assert limits.check_entries([ok, _entry(conv=False, mma=0, mma_by_op={})]) == []
+    bad = limits.check_entries([_entry(stack_bytes=16, spill_stores=3, spill_loads=2), _entry(mma=0, mma_by_op={"HMMA": 4}),
                             _entry(arch="sm_80", shared_bytes=200 * 1024), _entry(error="CompilationError: x")])
     assert len(bad) == 4
     assert "16 bytes of stack (STL 3, LDL 2)" in bad[0] and "m/layer1.0/conv2" in bad[0]
     assert "no HGMMA" in bad[1] and "HMMA" in bad[1]
     assert "shared memory" in bad[2] and "compile failed" in bad[3]
-    table = ST.format_table([ok, _entry(regs=200, key="k2")])
+    table = report.format_table([ok, _entry(regs=200, key="k2")])
     row = table.splitlines()[2].split()
     assert row[:6] == ["fprop", "128x64x64", "w4", "s3", "bf16", "sm_90"] and "128-200" in row and "32:2" in table
 
@@ -230,18 +230,18 @@ def test_check_rules_on_operand_loads():
     """The measured failure of the first GPU run (96 scalar LDG.E.U16 of the activation tile) and a
     mainloop without async copies fail; fp32's 32-bit loads and a non-convolution pass."""
     scalar = _entry(ldg_by_width={"128": 0, "64": 0, "32": 0, "16": 96, "8": 0})
-    bad = ST.check_entries([scalar, _entry(dtype="fp16", ldgsts_by_width={"128": 4, "16": 2}),
+    bad = limits.check_entries([scalar, _entry(dtype="fp16", ldgsts_by_width={"128": 4, "16": 2}),
                             _entry(async_copies={"LDGSTS": 0, "UTMALDG": 0})])
     assert len(bad) == 3
     assert "96 scalar 16/8-bit" in bad[0] and "2 scalar 16/8-bit" in bad[1] and "no async" in bad[2]
-    assert ST.check_entries([_entry(async_copies={"LDGSTS": 0, "UTMALDG": 3}),
+    assert limits.check_entries([_entry(async_copies={"LDGSTS": 0, "UTMALDG": 3}),
                              _entry(dtype="fp32", ldg_by_width={"32": 40}),
                              _entry(conv=False, async_copies={}, ldg_by_width={"16": 8})]) == []
 
 
 def test_static_refuses_under_interpreter(monkeypatch, capsys):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert ST.main(["--no-triton"]) == 2
+    assert report.main(["--no-triton"]) == 2
     assert "TRITON_INTERPRET" in capsys.readouterr().err
 
 

@@ -2,7 +2,10 @@
 CUDA C++ cubins, read from their SASS (no GPU). ``python -m tools.static_report --help``; the fields,
 the main-loop model and the limits are described in ``docs/static-report.md``.
 
-Modules (imports go one way: report → compile, sass, limits, anchors → jobs):
+Modules (imports go one way: report → compile, limits → sass, jobs):
     report   the command line, the results file and the table
+    compile  specializing and compiling the jobs (Triton), reading CUDA C++ cubins; the metrics cache
+    sass     cubin resources and SASS instruction counts
+    limits   the rules of ``--check``
     jobs     :class:`StaticJob` (one launch) and the fused chains' job provider
 """
