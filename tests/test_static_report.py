@@ -109,6 +109,45 @@ def test_check_passes_clean_jobs_and_specialization(tmp_path):
     gemm = _by(obj, "gemm")
     assert gemm["sm_90"]["mma_by_op"].get("HGMMA", 0) > 0 and gemm["sm_80"]["mma_by_op"].get("HMMA", 0) > 0
     assert gemm["sm_90"]["hgmma_a_regs"] == 0  # both operands straight from shared memory
+    # The K loop is found, with the tile's MACs per iteration: 64·64·32 over 4 warps. sm_90: two
+    # HGMMA.64x64x16 issued by each warp, 32 clocks each; sm_80: 16 HMMA.16816 per warp, 8 clocks each.
+    assert (gemm["sm_90"]["loop"]["mma"], gemm["sm_90"]["loop"]["tensor_clocks"]) == (2, 64)
+    assert (gemm["sm_80"]["loop"]["mma"], gemm["sm_80"]["loop"]["tensor_clocks"]) == (16, 128)
+    for arch, op in (("sm_90", "HGMMA"), ("sm_80", "HMMA")):
+        lp = gemm[arch]["loop"]
+        assert lp and lp["mma"] > 0 and all(k.startswith(op) for k in lp["mma_shapes"])
+        assert lp["instructions"] > lp["mma"] and lp["tensor_clocks"] > 0
+        assert lp["issue_ratio"] == round(lp["instructions"] / lp["tensor_clocks"], 3)
+        assert [x["span"] for x in gemm[arch]["mma_loops"]] == [lp["span"]]
+    assert gemm["sm_90"]["loop"]["wgmma_waits"] and not gemm["sm_80"]["loop"]["wgmma_waits"]
+    assert scale["sm_90"]["loop"] is None and scale["sm_90"]["mma_loops"] == []
+
+
+@needs_tools
+def test_check_loop_limits_and_baseline(tmp_path):
+    """A bf16 'fprop' with an integer division in its loop breaks the sm_90 main-loop limits: ``--check``
+    fails without a baseline, passes with a baseline listing its figures, and fails again against a
+    baseline with a lower figure (the kernel regressed); ``--update-loop-baseline`` refuses a
+    restricted run."""
+    args = ["--provider", "static_fixtures:loop_jobs", "--arch", "90", "--check"]
+    proc, obj = _static(tmp_path, *args, "--loop-baseline", str(tmp_path / "none.json"))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (e,) = obj["entries"]
+    assert e["loop"]["int_div"] >= 1 and e["roles"] == ["default"]
+    assert "main-loop limits broken" in proc.stdout and "int_div" in proc.stdout and "not in the baseline" in proc.stdout
+    key = "triton fprop [div] bf16 sm_90"
+    figs = obj["loop_figures"][key]
+    offending = {name: {"default": f["default"]} for name, f in figs.items() if f["default"] > f["limit"]}
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"tolerance": 0.02, "offenders": {key: offending}}))
+    proc, _ = _static(tmp_path, *args, "--loop-baseline", str(base))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    offending["int_div"]["default"] -= 1
+    base.write_text(json.dumps({"tolerance": 0.02, "offenders": {key: offending}}))
+    proc, _ = _static(tmp_path, *args, "--loop-baseline", str(base))
+    assert proc.returncode == 1 and "worse than the baseline" in proc.stdout
+    proc, _ = _static(tmp_path, *args, "--loop-baseline", str(base), "--update-loop-baseline")
+    assert proc.returncode == 2 and "needs the whole Triton report" in proc.stderr
 
 
 _CU = textwrap.dedent("""
@@ -183,13 +222,16 @@ def test_sass_metrics_opcodes():
 
 
 def test_sass_line_pattern():
-    lines = ["        /*5d00*/                   HGMMA.64x64x16.F32.BF16 R56, R132, gdesc[UR20].tnspB, R56 ;",
+    lines = ["\t.section\t.text.k,\"ax\",@progbits",
+             "        /*5d00*/                   HGMMA.64x64x16.F32.BF16 R56, R132, gdesc[UR20].tnspB, R56 ;",
              "        /*07e0*/               @P2 VIADD R8, R8, 0x1 ;",
              "        /*07f0*/              @!UP0 LDG.E.U16 R3, desc[UR4][R2.64] ;",
-             "        /*0044*/ \t.dword\t_fprop_kernel"]
-    assert sass._SASS_INSN.findall("\n".join(lines)) == ["HGMMA.64x64x16.F32.BF16", "VIADD", "LDG.E.U16"]
-    assert len(sass._HGMMA_REG_A.findall(lines[0])) == 1
-    assert not sass._HGMMA_REG_A.findall("/*0100*/ HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24, gsb0 ;")
+             "        /*0044*/ \t.dword\t_fprop_kernel",
+             "        /*0800*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24, gsb0 ;"]
+    insns = sass.parse_sass("\n".join(lines))["k"]
+    assert [(i.pred, i.op) for i in insns] == [("", "HGMMA.64x64x16.F32.BF16"), ("@P2", "VIADD"), ("@!UP0", "LDG.E.U16"),
+                                               ("", "HGMMA.64x64x16.F32.BF16")]
+    assert sass.function_metrics(insns, 90)["hgmma_a_regs"] == 1  # the first takes A from registers
 
 
 def test_short_name():

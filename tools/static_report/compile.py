@@ -50,7 +50,7 @@ from tools.static_report.sass import cubin_metrics, demangle, short_name
 __all__ = ["specialize", "triton_entries", "csrc_entries", "import_attr", "PARSER_VERSION"]
 
 #: Bumped when the metrics read from a cubin change (invalidates the metrics cache).
-PARSER_VERSION = 2
+PARSER_VERSION = 3
 _POOL_MIN = 8
 
 
@@ -220,10 +220,12 @@ def _cache_path(cache_dir: Optional[Path], key: str) -> Optional[Path]:
 
 def triton_entries(jobs: Sequence[StaticJob], archs: Sequence[int], processes: int = 2,
                    cache_dir: Optional[Path] = None, sass_dir: Optional[Path] = None,
-                   log: Callable[[str], None] = print) -> tuple[list[dict], dict]:
+                   log: Callable[[str], None] = print, kind: str = "triton") -> tuple[list[dict], dict]:
     """Specialize every job for every arch, compile each distinct specialization once (or take its
-    metrics from ``cache_dir``), and return (entries, counts). An entry is one distinct compilation,
-    labelled by its first job, with ``shapes`` listing every job's shape."""
+    metrics from ``cache_dir``), and return (entries, counts). An entry (``kind`` as given) is one
+    distinct compilation, labelled by its first job, with ``shapes`` listing every job's shape and
+    ``roles`` every job's non-empty :attr:`StaticJob.role` (sorted: a config can be the default and a
+    candidate at once)."""
     groups: dict[str, dict] = {}
     for job in jobs:
         for arch in archs:
@@ -239,8 +241,10 @@ def triton_entries(jobs: Sequence[StaticJob], archs: Sequence[int], processes: i
                 names = [p.name for p in job.fn.params]
                 sig, const = _describe_spec(spec, names)
                 g = groups[spec.key] = {"job": job, "arch": arch, "spec": spec, "shapes": [], "signature": sig,
-                                        "constexprs": const, "jobs": 0}
+                                        "constexprs": const, "jobs": 0, "roles": set()}
             g["jobs"] += 1
+            if job.role:
+                g["roles"].add(job.role)
             if job.shape and job.shape not in g["shapes"]:
                 g["shapes"].append(job.shape)
     metrics: dict[str, dict] = {}
@@ -274,10 +278,11 @@ def triton_entries(jobs: Sequence[StaticJob], archs: Sequence[int], processes: i
     entries = []
     for key, g in groups.items():
         job, m = g["job"], metrics[key]
-        entries.append({"kind": "triton", "kernel": job.kernel, "config": job.config, "variant": job.variant,
+        entries.append({"kind": kind, "kernel": job.kernel, "config": job.config, "variant": job.variant,
                         "dtype": job.dtype, "arch": f"sm_{g['arch']}", "conv": job.conv,
                         **{k: v for k, v in m.items() if k != "arch"},
-                        "shapes": g["shapes"], "launches": g["jobs"], "signature": g["signature"],
+                        "shapes": g["shapes"], "roles": sorted(g["roles"]), "launches": g["jobs"],
+                        "signature": g["signature"],
                         "constexprs": g["constexprs"], "key": key[:16]})
     return entries, {"launches": sum(g["jobs"] for g in groups.values()), "compilations": len(groups),
                      "compiled": len(todo), "cached": len(groups) - len(todo)}

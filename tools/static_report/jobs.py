@@ -12,7 +12,8 @@ would run, so the report compiles what runs. Recorded per block and dtype:
 
     train and eval mode (BN finalize modes, dgrad's eval epilogue), channels_last input;
     the heuristic default tiles and every autotune candidate (``candidates`` of the Triton backend,
-    clamped per unit, as the tuner clamps them), each applied to every conv of the block;
+    clamped per unit, as the tuner clamps them), each applied to every conv of the block; each job's
+    ``role`` says which (``default``/``candidate``);
     the wgrad K-split a GPU of each arch would choose (132 SMs on sm_90, 108 on sm_80), besides 1;
     the output statistics epilogue on (a block followed by another) and off (the last block).
 
@@ -65,6 +66,9 @@ class StaticJob:
         dtype: activation dtype label (``bf16``, ``fp16``, ``fp32``). shape: the layer it serves.
         archs: compute capabilities this launch exists on (None: all), e.g. when a launcher's choice
             depends on the device (SM count).
+        role: ``"default"``: the launch with the backend's heuristic default config (what runs
+            untuned); ``"candidate"``: the launch with one of the autotuner's candidate configs; ``""``:
+            neither (fixtures, anchors). The main-loop limits of ``--check`` read it.
     """
 
     kernel: str
@@ -77,6 +81,7 @@ class StaticJob:
     dtype: str = ""
     shape: str = ""
     archs: Optional[tuple[int, ...]] = None
+    role: str = ""
 
 
 #: SMs per GPU used for the wgrad split: H100 SXM5 (sm_90) 132, A100 (sm_80) 108 (NVIDIA data sheets).
@@ -181,22 +186,24 @@ def chain_jobs(units: Sequence[UnitShape], dtypes: Sequence[torch.dtype]) -> lis
             for train in (True, False):
                 modes = tuple(BNMode(BATCH if train else RUNNING, True, train) for _ in range(n))
                 for out_stats in ((True, False) if train else (False,)):
-                    runs.append((modes, out_stats, None, None, None))
+                    runs.append((modes, out_stats, None, None, None, None))
             modes = tuple(BNMode(BATCH, True, True) for _ in range(n))
             plan, _ = _record(spec, modes, x_shape, dtype, True)
             for kind in ("fprop", "dgrad", "wgrad"):
                 per_unit = [_unit_candidates(kind, u, dtype, candidates) for u in plan.units]
                 for j in range(max(len(c) for c in per_unit)):
-                    runs.append((modes, True, {kind: [c[min(j, len(c) - 1)] for c in per_unit]}, None, None))
+                    runs.append((modes, True, {kind: [c[min(j, len(c) - 1)] for c in per_unit]}, None, None, kind))
             for arch, sms in SM_COUNT.items():
                 split = _gpu_split(plan, sms)
                 if split > 1:
-                    runs.append((modes, True, None, split, (arch,)))
-            for modes_r, out_stats, over, split, archs in runs:
+                    runs.append((modes, True, None, split, (arch,), None))
+            for modes_r, out_stats, over, split, archs, tuned in runs:
                 _, launches = _record(spec, modes_r, x_shape, dtype, out_stats, over, split)
                 for rec in launches:
+                    # A candidate run overrides one kernel's tiles; its other launches keep their defaults.
+                    role = "candidate" if rec.name == tuned else "default"
                     jobs.append(StaticJob(rec.name, _label(rec), rec.fn, rec.args, rec.kwargs, rec.name in _CONV,
-                                          _variant(rec), _NAMES[dtype], shape, archs))
+                                          _variant(rec), _NAMES[dtype], shape, archs, role))
     return jobs
 
 

@@ -52,6 +52,8 @@ from typing import Callable, Optional, Sequence
 from tools.static_report.compile import csrc_entries, import_attr, triton_entries
 from tools.static_report.jobs import chain_jobs
 from tools.static_report.limits import check_entries
+from tools.static_report.loop_limits import (DEFAULT_BASELINE, check_loops, load_baseline, loop_figures,
+                                             update_baseline, write_baseline)
 from tools.static_report.sass import WIDTHS
 
 __all__ = ["default_provider", "format_table", "main", "ARCHS"]
@@ -89,18 +91,33 @@ def _widths(ds: Sequence[dict]) -> str:
     return " ".join(parts) or "-"
 
 
+def _loop_cells(es: Sequence[dict]) -> list[str]:
+    """Main-loop columns of a table row: ranges over the compilations that have a main loop."""
+    loops = [e["loop"] for e in es if e.get("loop")]
+    if not loops:
+        return ["-"] * 6
+    ratios = [lp["issue_ratio"] for lp in loops if lp["issue_ratio"] is not None]
+    waits = [min(lp["wgmma_waits"]) for lp in loops if lp["wgmma_waits"]]
+    return [_rng([lp["instructions"] for lp in loops]), _rng([lp["mma"] for lp in loops]),
+            _rng([round(r, 2) for r in ratios]) if ratios else "?", _rng(waits) if waits else "-",
+            _rng([lp["bar_sync"] for lp in loops]), _rng([lp["int_div"] for lp in loops])]
+
+
 def format_table(entries: Sequence[dict], full: bool = False) -> str:
     """Text table: one row per (kind, kernel, config, dtype, arch) with ranges over its
     compilations (``n``; every compilation with ``full``), sorted by kernel and dtype (in order of
     appearance), config, arch. Columns: regs, stack [B], smem [KiB], mma, LDGSTS, TMA, STL/LDL, LDG
-    and LDGSTS widths as ``bits:count``."""
+    and LDGSTS widths as ``bits:count``, and the main loop's per-iteration figures (``loop``, see
+    :func:`tools.static_report.sass.loop_stats`): instructions, MMAs, issue ratio, the smallest wgmma
+    wait depth, BAR.SYNC count, integer divisions; ``-`` where a compilation has no MMA loop."""
     rows: dict[tuple, list[dict]] = defaultdict(list)
     for e in entries:
         k = (e["kind"], e["kernel"], e["config"], e["dtype"], e["arch"])
         rows[k + ((e.get("variant", ""), e.get("key", e.get("symbol", ""))) if full else ())].append(e)
     head = ["kernel", "config"] + (["variant"] if full else []) + ["dtype", "arch", "n", "regs", "stack",
                                                                    "smem KiB", "mma", "LDGSTS", "TMA", "STL/LDL",
-                                                                   "LDG bits:count", "LDGSTS bits:count"]
+                                                                   "LDG bits:count", "LDGSTS bits:count",
+                                                                   "it:instr", "mma", "ratio", "wait", "BAR", "div"]
     first = {}
     for e in entries:
         first.setdefault(e["kernel"], len(first))
@@ -118,7 +135,7 @@ def format_table(entries: Sequence[dict], full: bool = False) -> str:
             _rng([round(e["shared_bytes"] / 1024, 1) for e in ok]), _rng([e["mma"] for e in ok]),
             _rng([e["async_copies"]["LDGSTS"] for e in ok]), _rng([e["async_copies"]["UTMALDG"] for e in ok]),
             f"{_rng([e['spill_stores'] for e in ok])}/{_rng([e['spill_loads'] for e in ok])}",
-            _widths([e["ldg_by_width"] for e in ok]), _widths([e["ldgsts_by_width"] for e in ok])])
+            _widths([e["ldg_by_width"] for e in ok]), _widths([e["ldgsts_by_width"] for e in ok])] + _loop_cells(ok))
     widths = [max(len(str(r[i])) if i < len(r) else 0 for r in lines + [head]) for i in range(len(head))]
     fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines])
@@ -141,7 +158,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cubins", metavar="DIR", help="also report every *.cubin in DIR (CUDA C++ builds)")
     p.add_argument("--check", action="store_true", help="exit 1 if any entry spills, exceeds shared memory or "
                                                         "failed, or a convolution lacks tensor-core instructions or "
-                                                        "async copies or loads 16-bit operands element-wise")
+                                                        "async copies or loads 16-bit operands element-wise, or a "
+                                                        "main loop breaks its limits beyond the loop baseline")
+    p.add_argument("--loop-baseline", metavar="JSON", default=str(DEFAULT_BASELINE),
+                   help="the ratchet baseline of the main-loop limits (default: tools/static_report/loop_baseline.json)")
+    p.add_argument("--update-loop-baseline", action="store_true",
+                   help="rewrite the loop baseline with this run's offenders (the variants it covers; the Triton "
+                        "part must be unrestricted: default models, archs, dtypes, batch, provider, no --layers/--kernels)")
+
     p.add_argument("--out", default="benchmarks/results", help="folder for static-<triton>-<date>.json")
     p.add_argument("--processes", type=int, default=2, help="compile processes (at most 2)")
     p.add_argument("--cache-dir", default=os.environ.get("FUSED_PREACT_STATIC_CACHE",
@@ -173,7 +197,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI entry point (module docstring). Returns 0, 1 (``--check`` found offenders) or 2 (refused:
     TRITON_INTERPRET set, bad arguments)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    a = _parser().parse_args(argv)
+    parser = _parser()
+    a = parser.parse_args(argv)
+    if a.update_loop_baseline and not a.no_triton and _restricted(a, parser):
+        print("tools.static_report: --update-loop-baseline needs the whole Triton report (a restricted run's figures "
+              "are lower bounds of the full run's); drop --layers/--kernels/--models/--arch/--dtypes/--batch/"
+              "--provider, or add --no-triton to update the CUDA C++ variants alone.", file=sys.stderr)
+        return 2
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("tools.static_report: TRITON_INTERPRET is set, so the kernels are interpreter objects and "
               "cannot be compiled; unset it.", file=sys.stderr)
@@ -202,25 +232,47 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         entries, counts = triton_entries(jobs, a.arch, max(1, min(2, a.processes)), cache, sass_dir, log)
     if a.cubins:
         entries += csrc_entries(a.cubins)
+    figures, _ = loop_figures(entries)
     elapsed = round(time.perf_counter() - t0, 1)
     obj = {"triton": triton.__version__, "date": date.today().isoformat(),
            "command": "python -m tools.static_report " + shlex.join(argv), "commit": _commit(),
            "archs": [f"sm_{x}" for x in a.arch], "provider": provider_name, **counts, "elapsed_s": elapsed,
-           "entries": entries}
+           "loop_figures": figures, "entries": entries}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"static-{triton.__version__}-{obj['date']}.json"
     path.write_text(_dumps(obj))
     print(format_table(entries, a.full_table))
     print(f"\n{len(entries)} entries in {elapsed} s → {path}")
+    baseline_path = Path(a.loop_baseline)
+    if a.update_loop_baseline:
+        baseline, changes = update_baseline(entries, load_baseline(baseline_path))
+        write_baseline(baseline_path, baseline)
+        print(f"\nloop baseline {baseline_path}: {len(baseline['offenders'])} variants"
+              + ("".join(f"\n  {c}" for c in changes) if changes else " (unchanged)"))
     if a.check:
         problems = check_entries(entries)
-        if problems:
-            print(f"\n--check: {len(problems)} entries fail:\n  " + "\n  ".join(problems))
+        loop_problems, notes = check_loops(entries, load_baseline(baseline_path))
+        if notes:
+            print(f"\nloop baseline: {len(notes)} figures improved (--update-loop-baseline shrinks it):\n  "
+                  + "\n  ".join(notes))
+        if problems or loop_problems:
+            if problems:
+                print(f"\n--check: {len(problems)} entries fail:\n  " + "\n  ".join(problems))
+            if loop_problems:
+                print(f"\n--check: {len(loop_problems)} main-loop limits broken beyond the baseline "
+                      f"({baseline_path}):\n  " + "\n  ".join(loop_problems))
             return 1
         print("--check: all entries pass (no spills; tensor cores, async copies and vector operand loads in every "
-              "convolution)")
+              f"convolution; main loops within their limits or the baseline, {len(figures)} variants judged)")
     return 0
+
+
+def _restricted(a: argparse.Namespace, parser: argparse.ArgumentParser) -> bool:
+    """Whether the Triton part of the run covers less than the default report."""
+    d = parser.parse_args([])
+    return bool(a.layers or a.kernels or a.provider) or any(
+        sorted(getattr(a, k)) != sorted(getattr(d, k)) for k in ("models", "arch", "dtypes")) or a.batch != d.batch
 
 
 if __name__ == "__main__":
