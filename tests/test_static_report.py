@@ -150,6 +150,21 @@ def test_check_loop_limits_and_baseline(tmp_path):
     assert proc.returncode == 2 and "needs the whole Triton report" in proc.stderr
 
 
+@needs_tools
+def test_anchor_tutorial_matmul(tmp_path):
+    """``--anchors NAME``: the tutorial-style Triton matmul compiled for sm_90 as kind ``anchor``, its K
+    loop found (128x128x64 with 8 warps: 4 HGMMA.64x128x16 per warp per iteration, 256 clocks)."""
+    proc, obj = _static(tmp_path, "--no-triton", "--anchors", "triton-matmul-128x128x64", "--arch", "90", "--check")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (e,) = obj["entries"]
+    assert (e["kind"], e["kernel"], e["config"], e["arch"]) == ("anchor", "triton-matmul-128x128x64", "128x128x64 w8 s3",
+                                                                "sm_90")
+    lp = e["loop"]
+    assert lp["mma_shapes"] == {"HGMMA.64x128x16.F32.BF16": 4} and lp["tensor_clocks"] == 256
+    assert 0 < lp["issue_ratio"] < 1 and obj["loop_figures"] == {}  # anchors are never judged
+    assert "unknown anchors" in _static(tmp_path, "--no-triton", "--anchors", "nope")[0].stderr
+
+
 _CU = textwrap.dedent("""
     #include <mma.h>
     #include <cuda_fp16.h>

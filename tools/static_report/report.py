@@ -49,6 +49,7 @@ from datetime import date
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from tools.static_report.anchors import ANCHOR_NAMES, anchor_entries
 from tools.static_report.compile import csrc_entries, import_attr, triton_entries
 from tools.static_report.jobs import chain_jobs
 from tools.static_report.limits import check_entries
@@ -165,7 +166,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--update-loop-baseline", action="store_true",
                    help="rewrite the loop baseline with this run's offenders (the variants it covers; the Triton "
                         "part must be unrestricted: default models, archs, dtypes, batch, provider, no --layers/--kernels)")
-
+    p.add_argument("--anchors", nargs="*", metavar="NAME",
+                   help="also compile the reference GEMM loops (kind 'anchor'; all, or these names): "
+                        + ", ".join(ANCHOR_NAMES))
     p.add_argument("--out", default="benchmarks/results", help="folder for static-<triton>-<date>.json")
     p.add_argument("--processes", type=int, default=2, help="compile processes (at most 2)")
     p.add_argument("--cache-dir", default=os.environ.get("FUSED_PREACT_STATIC_CACHE",
@@ -204,6 +207,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "are lower bounds of the full run's); drop --layers/--kernels/--models/--arch/--dtypes/--batch/"
               "--provider, or add --no-triton to update the CUDA C++ variants alone.", file=sys.stderr)
         return 2
+    unknown = sorted(set(a.anchors or ()) - set(ANCHOR_NAMES))
+    if unknown:
+        print(f"tools.static_report: unknown anchors {unknown}; known: {', '.join(ANCHOR_NAMES)}", file=sys.stderr)
+        return 2
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("tools.static_report: TRITON_INTERPRET is set, so the kernels are interpreter objects and "
               "cannot be compiled; unset it.", file=sys.stderr)
@@ -230,6 +237,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             sass_dir.mkdir(parents=True, exist_ok=True)
         log = lambda s: print(s, file=sys.stderr, flush=True)
         entries, counts = triton_entries(jobs, a.arch, max(1, min(2, a.processes)), cache, sass_dir, log)
+    if a.anchors is not None:
+        log = lambda s: print(s, file=sys.stderr, flush=True)
+        entries += anchor_entries(a.anchors or ANCHOR_NAMES, a.arch, None if a.no_cache else Path(a.cache_dir), log)
     if a.cubins:
         entries += csrc_entries(a.cubins)
     figures, _ = loop_figures(entries)
