@@ -246,6 +246,8 @@ def test_limits_apply_by_kind_dtype_and_arch():
     assert names(_e(config="sm90_conv_dgrad.sm_90a.cubin", **csrc)) == [("issue_ratio", 0.3)]
     assert names(_e(config="sm90_conv_dgrad.sm_90a.cubin", mma=0, **csrc)) == []
     assert names(_e(config="conv_fprop.sm_80.cubin", arch="sm_80", **csrc)) == []
+    assert LL.variant_key(_e()) == "triton fprop [3x3s1] bf16 sm_90"
+    assert LL.variant_key(_e(kind="csrc", kernel="K<…>#2", dtype="fp16", config="c.cubin")) == "csrc c.cubin K<…> fp16 sm_90"
 
 
 @pytest.mark.parametrize("bad, rule", [(dict(ratio=1.2), "issue_ratio"), (dict(waits=(1, 0)), "wait_depth0"),

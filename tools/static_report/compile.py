@@ -130,7 +130,9 @@ def _describe_spec(spec: _Spec, arg_names: Sequence[str]) -> tuple[dict, dict]:
 def csrc_entries(folder: str) -> list[dict]:
     """Report entries (``kind: "csrc"``) for every function of every ``*.cubin`` in ``folder``
     (e.g. from ``nvcc -cubin -arch=sm_90a``): ``kernel`` the short demangled name, ``config`` the
-    cubin's file name, ``function`` the full demangled name, ``symbol`` the mangled one."""
+    cubin's file name, ``function`` the full demangled name, ``symbol`` the mangled one, ``dtype``
+    ``bf16``/``fp16`` by which of CUTLASS's ``bfloat16_t``/``half_t`` the name mentions more often
+    ("" for neither)."""
     entries = []
     for path in sorted(Path(folder).glob("*.cubin")):
         funcs = cubin_metrics(str(path))
@@ -141,7 +143,9 @@ def csrc_entries(folder: str) -> list[dict]:
             short = short_name(full)
             names[short] += 1
             kernel = short if names[short] == 1 else f"{short}#{names[short]}"
-            entries.append({"kind": "csrc", "kernel": kernel, "config": path.name, "variant": "", "dtype": "",
+            bf16, fp16 = full.count("bfloat16_t"), full.count("half_t")
+            dtype = "bf16" if bf16 > fp16 else "fp16" if fp16 > bf16 else ""
+            entries.append({"kind": "csrc", "kernel": kernel, "config": path.name, "variant": "", "dtype": dtype,
                             "arch": f"sm_{m['arch']}", "conv": None, "function": full[:2000], "symbol": sym,
                             **{k: v for k, v in m.items() if k != "arch"}})
     return entries

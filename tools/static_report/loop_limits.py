@@ -94,9 +94,11 @@ def limits_for(e: dict) -> tuple[LoopLimit, ...]:
 
 
 def variant_key(e: dict) -> str:
-    """``triton fprop [3x3s1 STATS] bf16 sm_90``; ``csrc sm90_conv_fprop.sm_90a.cubin <kernel> sm_90``."""
+    """``triton fprop [3x3s1 STATS] bf16 sm_90``; ``csrc sm90_conv_fprop.sm_90a.cubin <kernel> bf16 sm_90``
+    (a CUDA C++ kernel by its short name without the ``#n`` that tells same-named functions apart:
+    those of one dtype are one variant, whatever their order in the cubin)."""
     if e["kind"] == "csrc":
-        return f"csrc {e['config']} {e['kernel']} {e['arch']}"
+        return f"csrc {e['config']} {e['kernel'].split('#')[0]} {e.get('dtype', '')} {e['arch']}"
     return f"{e['kind']} {e['kernel']} [{e.get('variant', '')}] {e.get('dtype', '')} {e['arch']}"
 
 
