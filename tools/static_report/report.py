@@ -19,19 +19,25 @@ kernel and config (units in brackets; sources: ``cuobjdump -res-usage``, SASS fr
                   (cp.async) and ``stg_by_width`` (global stores)
     spill_stores, spill_loads   STL / LDL instructions (local-memory traffic)
     compile_s     seconds the compilation took (for a cached entry: when it was compiled)
+    loop, mma_loops   the main loop per iteration (instructions, MMAs, tensor clocks, issue ratio,
+                  wgmma waits, barriers, divisions, loads by kind): :func:`tools.static_report.sass.loop_stats`
 
 A *job provider* maps ``(units: list[UnitShape], dtypes: list[torch.dtype])`` to StaticJobs. The
 report uses :func:`tools.static_report.jobs.chain_jobs` (the launches the fused chains record
 on the meta device), or ``--provider module:function``; compiling and caching: :mod:`tools.static_report.compile`.
 
 Output: ``<out>/static-<triton version>-<date>.json`` (top level: ``triton``, ``date``, ``command``,
-``commit``, ``archs``, ``provider``, counts, ``elapsed_s``, ``entries``; each entry: ``kind``
-(``triton``/``csrc``), ``kernel``, ``config``, ``variant``, ``dtype``, ``arch``, the metrics above,
-``conv``, ``shapes`` (layers that launch it), ``signature``/``constexprs`` (the specialization)) and a
-table on stdout. ``--check`` exits 1 listing every entry that spills (stack_bytes > 0), exceeds the
-arch's shared memory per block, failed to compile, or is a convolution (``conv``) without tensor-core
-instructions, without async copies, or with 16-bit scalar operand loads; ``--cubins DIR`` adds every
-``*.cubin`` there (CUDA C++ builds) as ``kind: "csrc"``.
+``commit``, ``archs``, ``provider``, counts, ``elapsed_s``, ``loop_figures``, ``entries``; each entry:
+``kind`` (``triton``/``csrc``/``anchor``), ``kernel``, ``config``, ``variant``, ``dtype``, ``arch``, the
+metrics above, ``conv``, ``shapes`` (layers that launch it), ``roles``, ``signature``/``constexprs``
+(the specialization)) and a table on stdout. ``--check`` exits 1 listing every entry that spills
+(stack_bytes > 0), exceeds the arch's shared memory per block, failed to compile, or is a convolution
+(``conv``) without tensor-core instructions, without async copies, or with 16-bit scalar operand
+loads (:mod:`tools.static_report.limits`), and every main loop over its limits beyond the loop
+baseline (:mod:`tools.static_report.loop_limits`); ``--cubins DIR`` adds every ``*.cubin`` there
+(CUDA C++ builds) as ``kind: "csrc"``, ``--anchors`` the reference loops of
+:mod:`tools.static_report.anchors` as ``kind: "anchor"``. Fields, model and limits:
+``docs/static-report.md``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,15 @@
-"""Reading cubins: resources (``cuobjdump -res-usage``), SASS (``nvdisasm``) and instruction counts.
+"""Reading cubins: resources (``cuobjdump -res-usage``), SASS (``nvdisasm``), instruction counts and
+the main-loop analysis.
 
 The tools are those Triton ships (``triton.knobs.nvidia``): they read sm_80 and sm_90a cubins of
 Triton and of nvcc alike. Kernel names of CUDA C++ cubins are demangled with the first of
 ``cu++filt``, ``llvm-cxxfilt``, ``c++filt`` found on PATH.
+
+Main loop (:func:`loop_metrics`): the innermost loop holding tensor-core instructions, with its
+per-iteration instructions, MMAs and the issue ratio = instructions / tensor-core clocks at peak rate
+(:func:`mma_clocks`, :data:`MAC_RATE`); a warp scheduler issues at most one instruction per clock, so
+a ratio above 1 bounds the loop below the tensor-core peak. The model and its assumptions are
+written out in ``docs/static-report.md``.
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Iterable, NamedTuple, Optional, Sequence
 
@@ -326,20 +333,22 @@ def loop_stats(insns: Sequence[Insn], first: int, last: int, arch: int) -> dict:
         inner_branches  branches inside the body other than the back edge; predicated_off: ``@!PT``
     """
     body = insns[first:last + 1]
-    shapes = Counter(i.op for i in body if _is_mma(i.op))
+    by: dict[str, list[Insn]] = defaultdict(list)
+    for ins in body:
+        by[ins.base].append(ins)
+    shapes = Counter(i.op for b in _MMA_OPS for i in by[b])
     clocks = [mma_clocks(op, arch) for op in shapes]
     tclk = sum(c * shapes[op] for op, c in zip(shapes, clocks) if c is not None)
     unmodelled = sum(shapes[op] for op, c in zip(shapes, clocks) if c is None)
-    bars = Counter(".".join(i.op.split(".")[:2]) for i in body if i.base == "BAR")
+    two = lambda kind: Counter(".".join(i.op.split(".")[:2]) for i in by[kind])
+    bars = two("BAR")
     mem: dict[str, dict] = {}
     for kind in ("LDG", "LDGSTS", "LDS", "STS", "STG"):
-        ops = [i.op for i in body if i.base == kind]
-        if ops:
-            mem[kind] = {w: n for w, n in _by_width(ops).items() if n}
+        if by[kind]:
+            mem[kind] = {w: n for w, n in _by_width(i.op for i in by[kind]).items() if n}
     for kind in ("LDSM", "UTMALDG"):
-        c = Counter(i.op.split(".", 1)[1] if "." in i.op else "" for i in body if i.base == kind)
-        if c:
-            mem[kind] = _nonzero(c)
+        if by[kind]:
+            mem[kind] = _nonzero(Counter(i.op.split(".", 1)[1] if "." in i.op else "" for i in by[kind]))
     n = len(body)
     return {
         "span": f"{body[0].addr:#x}-{body[-1].addr:#x}",
@@ -349,16 +358,16 @@ def loop_stats(insns: Sequence[Insn], first: int, last: int, arch: int) -> dict:
         "tensor_clocks": tclk,
         "issue_ratio": round(n / tclk, 3) if tclk else None,
         **({"unmodelled_mma": unmodelled} if unmodelled else {}),
-        "wgmma_waits": [_imm(i.args) for i in body if i.op == "WARPGROUP.DEPBAR.LE"],
-        "cp_async_waits": [_imm(i.args) for i in body if i.op == "DEPBAR.LE" and i.args.startswith("SB0")],
+        "wgmma_waits": [_imm(i.args) for i in by["WARPGROUP"] if i.op == "WARPGROUP.DEPBAR.LE"],
+        "cp_async_waits": [_imm(i.args) for i in by["DEPBAR"] if i.op == "DEPBAR.LE" and i.args.startswith("SB0")],
         "bar_sync": bars["BAR.SYNC"] + bars["BAR.RED"],
         "barriers": _nonzero(bars),
-        "mbarrier": _nonzero(Counter(".".join(i.op.split(".")[:2]) for i in body if i.base == "SYNCS")),
-        "int_div": sum(1 for i in body if i.base == "I2F" and "RP" in i.op.split(".")),
+        "mbarrier": _nonzero(two("SYNCS")),
+        "int_div": sum(1 for i in by["I2F"] if "RP" in i.op.split(".")),
         "mem": mem,
-        "sts": sum(1 for i in body if i.base == "STS"),
-        "ldsm": sum(1 for i in body if i.base == "LDSM"),
-        "hgmma_rs": sum(1 for i in body if i.base == "HGMMA" and _HGMMA_REG_A.match(i.args)),
+        "sts": len(by["STS"]),
+        "ldsm": len(by["LDSM"]),
+        "hgmma_rs": sum(1 for i in by["HGMMA"] if _HGMMA_REG_A.match(i.args)),
         "inner_branches": sum(1 for i in body[:-1] if i.base in ("BRA", "JMP")),
         "predicated_off": sum(1 for i in body if i.pred == "@!PT"),
     }
@@ -379,8 +388,6 @@ def loop_metrics(insns: Sequence[Insn], arch: int) -> dict:
         return {"loop": None, "mma_loops": []}
     nmma = {lp: sum(1 for x in insns[lp[0]:lp[1] + 1] if _is_mma(x.op)) for lp in inner}
     main = min(inner, key=lambda lp: (-nmma[lp], lp[1] - lp[0], lp[0]))
-    summary = []
-    for i, j in sorted(inner):
-        st = loop_stats(insns, i, j, arch)
-        summary.append({k: st[k] for k in ("span", "instructions", "mma", "tensor_clocks", "issue_ratio")})
-    return {"loop": loop_stats(insns, *main, arch), "mma_loops": summary}
+    stats = {lp: loop_stats(insns, *lp, arch) for lp in sorted(inner)}
+    summary = [{k: st[k] for k in ("span", "instructions", "mma", "tensor_clocks", "issue_ratio")} for st in stats.values()]
+    return {"loop": stats[main], "mma_loops": summary}
