@@ -127,8 +127,7 @@ def test_check_passes_clean_jobs_and_specialization(tmp_path):
 def test_check_loop_limits_and_baseline(tmp_path):
     """A bf16 'fprop' with an integer division in its loop breaks the sm_90 main-loop limits: ``--check``
     fails without a baseline, passes with a baseline listing its figures, and fails again against a
-    baseline with a lower figure (the kernel regressed); ``--update-loop-baseline`` refuses a
-    restricted run."""
+    baseline with a lower figure (the kernel regressed)."""
     args = ["--provider", "static_fixtures:loop_jobs", "--arch", "90", "--check"]
     proc, obj = _static(tmp_path, *args, "--loop-baseline", str(tmp_path / "none.json"))
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -146,8 +145,16 @@ def test_check_loop_limits_and_baseline(tmp_path):
     base.write_text(json.dumps({"tolerance": 0.02, "offenders": {key: offending}}))
     proc, _ = _static(tmp_path, *args, "--loop-baseline", str(base))
     assert proc.returncode == 1 and "worse than the baseline" in proc.stdout
-    proc, _ = _static(tmp_path, *args, "--loop-baseline", str(base), "--update-loop-baseline")
-    assert proc.returncode == 2 and "needs the whole Triton report" in proc.stderr
+
+
+def test_update_loop_baseline_refuses_a_restricted_run(tmp_path, capsys):
+    """Before anything is compiled: a restricted Triton run's figures are lower bounds of the full run's."""
+    base = tmp_path / "base.json"
+    for extra in (["--layers", "layer1.1"], ["--arch", "90"], ["--provider", "static_fixtures:loop_jobs"],
+                  ["--dtypes", "bf16"], ["--kernels", "fprop"]):
+        assert report.main(["--update-loop-baseline", "--loop-baseline", str(base), *extra]) == 2
+        assert "needs the whole Triton report" in capsys.readouterr().err
+    assert not base.exists()
 
 
 @needs_tools
