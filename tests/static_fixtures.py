@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fused_preact.bench.static import StaticJob, TensorSpec
+from tools.static_report.jobs import StaticJob, TensorSpec
 
 F32 = TensorSpec(torch.float32)
 BF16 = TensorSpec(torch.bfloat16)
@@ -73,3 +73,27 @@ def bad_jobs(units, dtypes) -> list[StaticJob]:
     spill = StaticJob("spill", "4096 w1", _spill_kernel, (F32, F32), dict(BLOCK=4096, num_warps=1), conv=False,
                       dtype="fp32", shape="fixture/spill")
     return [spill, _scale_job(conv=True)]
+
+
+@triton.jit
+def _div_gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, D, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """The GEMM of :func:`_gemm_kernel` whose A rows are re-indexed every K step by a run-time divisor
+    (``(k0 // D + rm) % M``): an integer division (reciprocal sequence) inside the main loop."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        ra = (k0 // D + rm) % M
+        a = tl.load(a_ptr + ra[:, None] * K + rk[None, :])
+        b = tl.load(b_ptr + rk[:, None] * N + rn[None, :])
+        acc = tl.dot(a, b, acc)
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def loop_jobs(units, dtypes) -> list[StaticJob]:
+    """A bf16 'fprop' (so the sm_90 main-loop limits apply) with an integer division in its loop."""
+    return [StaticJob("fprop", "64x64x32 w4 s3", _div_gemm_kernel, (BF16, BF16, F32, 512, 256, 128, 3),
+                      dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3), conv=True, variant="div",
+                      dtype="bf16", shape="fixture/div", role="default")]

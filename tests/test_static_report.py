@@ -1,4 +1,4 @@
-"""The static kernel report (fused_preact.bench.static) on CPU.
+"""The static kernel report (tools.static_report, run from the repository root) on CPU.
 
 The report compiles Triton kernels for sm_90/sm_80 offline, which needs TRITON_INTERPRET unset before
 ``triton`` is imported, while this suite runs with it set (conftest.py); so every compiling test runs
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fused_preact.bench import static as ST
+from tools.static_report import limits, report, sass
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -36,7 +36,7 @@ def _triton_tools() -> bool:
 needs_tools = pytest.mark.skipif(not _triton_tools(), reason="triton's NVIDIA backend tools are not installed")
 
 
-def _static(tmp_path: Path, *args: str, module: str = "fused_preact.bench.static") -> tuple[subprocess.CompletedProcess, dict]:
+def _static(tmp_path: Path, *args: str, module: str = "tools.static_report") -> tuple[subprocess.CompletedProcess, dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS)] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -54,12 +54,12 @@ def _by(obj: dict, kernel: str) -> dict[str, dict]:
 # --------------------------------------------------------------------------- compiled (subprocess)
 @needs_tools
 def test_report_on_one_layer_and_cache(tmp_path):
-    """The op's own jobs for one CIFAR unit (bf16, fprop and the elementwise dx), through
-    ``python -m fused_preact.bench --static``: sane fields, tensor cores in the conv kernel on both
-    archs; a second run takes every compilation from the metrics cache."""
-    args = ["--static", "--models", "preact_resnet164", "--layers", "layer1.1/conv2", "--dtypes", "bf16",
+    """The op's own jobs for one CIFAR unit (bf16, fprop and the elementwise dx): sane fields, tensor
+    cores in the conv kernel on both archs; a second run takes every compilation from the metrics
+    cache."""
+    args = ["--models", "preact_resnet164", "--layers", "layer1.1/conv2", "--dtypes", "bf16",
             "--kernels", "fprop", "dx"]
-    proc, obj = _static(tmp_path, *args, module="fused_preact.bench")
+    proc, obj = _static(tmp_path, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert obj["triton"] and obj["date"] and "--layers" in obj["command"] and obj["compiled"] == obj["compilations"]
     conv = [e for e in obj["entries"] if e["conv"]]
@@ -75,7 +75,7 @@ def test_report_on_one_layer_and_cache(tmp_path):
         assert e["signature"]["x_ptr"] == "*bf16%16"  # aligned tensors carry the divisibility attribute
     assert "fprop" in proc.stdout and "regs" in proc.stdout  # the table
 
-    again, obj2 = _static(tmp_path, *args, module="fused_preact.bench")
+    again, obj2 = _static(tmp_path, *args)
     assert again.returncode == 0, again.stderr[-3000:]
     assert obj2["compiled"] == 0 and obj2["cached"] == obj["compilations"]
     strip = lambda o: [{k: v for k, v in e.items() if k != "compile_s"} for e in o["entries"]]
@@ -109,6 +109,67 @@ def test_check_passes_clean_jobs_and_specialization(tmp_path):
     gemm = _by(obj, "gemm")
     assert gemm["sm_90"]["mma_by_op"].get("HGMMA", 0) > 0 and gemm["sm_80"]["mma_by_op"].get("HMMA", 0) > 0
     assert gemm["sm_90"]["hgmma_a_regs"] == 0  # both operands straight from shared memory
+    # The K loop is found, with the tile's MACs per iteration: 64·64·32 over 4 warps. sm_90: two
+    # HGMMA.64x64x16 issued by each warp, 32 clocks each; sm_80: 16 HMMA.16816 per warp, 8 clocks each.
+    assert (gemm["sm_90"]["loop"]["mma"], gemm["sm_90"]["loop"]["tensor_clocks"]) == (2, 64)
+    assert (gemm["sm_80"]["loop"]["mma"], gemm["sm_80"]["loop"]["tensor_clocks"]) == (16, 128)
+    for arch, op in (("sm_90", "HGMMA"), ("sm_80", "HMMA")):
+        lp = gemm[arch]["loop"]
+        assert lp and lp["mma"] > 0 and all(k.startswith(op) for k in lp["mma_shapes"])
+        assert lp["instructions"] > lp["mma"] and lp["tensor_clocks"] > 0
+        assert lp["issue_ratio"] == round(lp["instructions"] / lp["tensor_clocks"], 3)
+        assert [x["span"] for x in gemm[arch]["mma_loops"]] == [lp["span"]]
+    assert gemm["sm_90"]["loop"]["wgmma_waits"] and not gemm["sm_80"]["loop"]["wgmma_waits"]
+    assert scale["sm_90"]["loop"] is None and scale["sm_90"]["mma_loops"] == []
+
+
+@needs_tools
+def test_check_loop_limits_and_baseline(tmp_path):
+    """A bf16 'fprop' with an integer division in its loop breaks the sm_90 main-loop limits: ``--check``
+    fails without a baseline, passes with a baseline listing its figures, and fails again against a
+    baseline with a lower figure (the kernel regressed)."""
+    args = ["--provider", "static_fixtures:loop_jobs", "--arch", "90", "--check"]
+    proc, obj = _static(tmp_path, *args, "--loop-baseline", str(tmp_path / "none.json"))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (e,) = obj["entries"]
+    assert e["loop"]["int_div"] >= 1 and e["roles"] == ["default"]
+    assert "main-loop limits broken" in proc.stdout and "int_div" in proc.stdout and "not in the baseline" in proc.stdout
+    key = "triton fprop [div] bf16 sm_90"
+    figs = obj["loop_figures"][key]
+    offending = {name: {"default": f["default"]} for name, f in figs.items() if f["default"] > f["limit"]}
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"tolerance": 0.02, "offenders": {key: offending}}))
+    proc, _ = _static(tmp_path, *args, "--loop-baseline", str(base))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    offending["int_div"]["default"] -= 1
+    base.write_text(json.dumps({"tolerance": 0.02, "offenders": {key: offending}}))
+    proc, _ = _static(tmp_path, *args, "--loop-baseline", str(base))
+    assert proc.returncode == 1 and "worse than the baseline" in proc.stdout
+
+
+def test_update_loop_baseline_refuses_a_restricted_run(tmp_path, capsys):
+    """Before anything is compiled: a restricted Triton run's figures are lower bounds of the full run's."""
+    base = tmp_path / "base.json"
+    for extra in (["--layers", "layer1.1"], ["--arch", "90"], ["--provider", "static_fixtures:loop_jobs"],
+                  ["--dtypes", "bf16"], ["--kernels", "fprop"]):
+        assert report.main(["--update-loop-baseline", "--loop-baseline", str(base), *extra]) == 2
+        assert "needs the whole Triton report" in capsys.readouterr().err
+    assert not base.exists()
+
+
+@needs_tools
+def test_anchor_tutorial_matmul(tmp_path):
+    """``--anchors NAME``: the tutorial-style Triton matmul compiled for sm_90 as kind ``anchor``, its K
+    loop found (128x128x64 with 8 warps: 4 HGMMA.64x128x16 per warp per iteration, 256 clocks)."""
+    proc, obj = _static(tmp_path, "--no-triton", "--anchors", "triton-matmul-128x128x64", "--arch", "90", "--check")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (e,) = obj["entries"]
+    assert (e["kind"], e["kernel"], e["config"], e["arch"]) == ("anchor", "triton-matmul-128x128x64", "128x128x64 w8 s3",
+                                                                "sm_90")
+    lp = e["loop"]
+    assert lp["mma_shapes"] == {"HGMMA.64x128x16.F32.BF16": 4} and lp["tensor_clocks"] == 256
+    assert 0 < lp["issue_ratio"] < 1 and obj["loop_figures"] == {}  # anchors are never judged
+    assert "unknown anchors" in _static(tmp_path, "--no-triton", "--anchors", "nope")[0].stderr
 
 
 _CU = textwrap.dedent("""
@@ -173,7 +234,7 @@ def test_sass_metrics_opcodes():
     ops = ["LDG.E.128", "LDG.E.128.CONSTANT", "LDG.E.64", "LDG.E", "LDG.E.LTC128B", "LDG.E.U16", "LDG.E.S8",
            "LDGSTS.E.BYPASS.128", "LDGSTS.E", "UTMALDG.2D", "HGMMA.64x64x16.F32.BF16", "HMMA.16816.F32.BF16",
            "STL", "STL.128", "LDL.LU", "STG.E.U16", "FFMA"]
-    m90, m80 = ST.sass_metrics(ops, 90), ST.sass_metrics(ops, 80)
+    m90, m80 = sass.sass_metrics(ops, 90), sass.sass_metrics(ops, 80)
     assert m90["ldg_by_width"] == {"128": 2, "64": 1, "32": 2, "16": 1, "8": 1}
     assert m90["ldgsts_by_width"]["128"] == 1 and m90["ldgsts_by_width"]["32"] == 1
     assert m90["async_copies"] == {"LDGSTS": 2, "UTMALDG": 1}
@@ -183,23 +244,26 @@ def test_sass_metrics_opcodes():
 
 
 def test_sass_line_pattern():
-    lines = ["        /*5d00*/                   HGMMA.64x64x16.F32.BF16 R56, R132, gdesc[UR20].tnspB, R56 ;",
+    lines = ["\t.section\t.text.k,\"ax\",@progbits",
+             "        /*5d00*/                   HGMMA.64x64x16.F32.BF16 R56, R132, gdesc[UR20].tnspB, R56 ;",
              "        /*07e0*/               @P2 VIADD R8, R8, 0x1 ;",
              "        /*07f0*/              @!UP0 LDG.E.U16 R3, desc[UR4][R2.64] ;",
-             "        /*0044*/ \t.dword\t_fprop_kernel"]
-    assert ST._SASS_INSN.findall("\n".join(lines)) == ["HGMMA.64x64x16.F32.BF16", "VIADD", "LDG.E.U16"]
-    assert len(ST._HGMMA_REG_A.findall(lines[0])) == 1
-    assert not ST._HGMMA_REG_A.findall("/*0100*/ HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24, gsb0 ;")
+             "        /*0044*/ \t.dword\t_fprop_kernel",
+             "        /*0800*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24, gsb0 ;"]
+    insns = sass.parse_sass("\n".join(lines))["k"]
+    assert [(i.pred, i.op) for i in insns] == [("", "HGMMA.64x64x16.F32.BF16"), ("@P2", "VIADD"), ("@!UP0", "LDG.E.U16"),
+                                               ("", "HGMMA.64x64x16.F32.BF16")]
+    assert sass.function_metrics(insns, 90)["hgmma_a_regs"] == 1  # the first takes A from registers
 
 
 def test_short_name():
-    assert ST.short_name("void demo::scale_kernel<8, __half>(__half const*, __half*, float, int)") == "scale_kernel<8, __half>"
-    assert ST.short_name("spill_kernel") == "spill_kernel"
+    assert sass.short_name("void demo::scale_kernel<8, __half>(__half const*, __half*, float, int)") == "scale_kernel<8, __half>"
+    assert sass.short_name("spill_kernel") == "spill_kernel"
     long = ("void cutlass::Kernel2<cutlass::conv::kernel::ImplicitGemmConvolution<cutlass::conv::threadblock::Mma<A<1>, B>, "
             "cutlass::epilogue::E<2> > >(cutlass::conv::kernel::ImplicitGemmConvolution<X>::Params)")
-    assert ST.short_name(long) == "Kernel2<ImplicitGemmConvolution<…> >"
-    assert ST.short_name("void (anonymous namespace)::bn_fwd<float, 4>(float*)") == "bn_fwd<float, 4>"
-    assert len(ST.short_name("k<" + ", ".join(["int"] * 100) + ">")) == 90
+    assert sass.short_name(long) == "Kernel2<ImplicitGemmConvolution<…> >"
+    assert sass.short_name("void (anonymous namespace)::bn_fwd<float, 4>(float*)") == "bn_fwd<float, 4>"
+    assert len(sass.short_name("k<" + ", ".join(["int"] * 100) + ">")) == 90
 
 
 def _entry(**kw) -> dict:
@@ -214,14 +278,14 @@ def _entry(**kw) -> dict:
 
 def test_check_rules_and_table():
     ok = _entry()
-    assert ST.check_entries([ok, _entry(conv=False, mma=0, mma_by_op={})]) == []
-    bad = ST.check_entries([_entry(stack_bytes=16, spill_stores=3, spill_loads=2), _entry(mma=0, mma_by_op={"HMMA": 4}),
+    assert limits.check_entries([ok, _entry(conv=False, mma=0, mma_by_op={})]) == []
+    bad = limits.check_entries([_entry(stack_bytes=16, spill_stores=3, spill_loads=2), _entry(mma=0, mma_by_op={"HMMA": 4}),
                             _entry(arch="sm_80", shared_bytes=200 * 1024), _entry(error="CompilationError: x")])
     assert len(bad) == 4
     assert "16 bytes of stack (STL 3, LDL 2)" in bad[0] and "m/layer1.0/conv2" in bad[0]
     assert "no HGMMA" in bad[1] and "HMMA" in bad[1]
     assert "shared memory" in bad[2] and "compile failed" in bad[3]
-    table = ST.format_table([ok, _entry(regs=200, key="k2")])
+    table = report.format_table([ok, _entry(regs=200, key="k2")])
     row = table.splitlines()[2].split()
     assert row[:6] == ["fprop", "128x64x64", "w4", "s3", "bf16", "sm_90"] and "128-200" in row and "32:2" in table
 
@@ -230,16 +294,24 @@ def test_check_rules_on_operand_loads():
     """The measured failure of the first GPU run (96 scalar LDG.E.U16 of the activation tile) and a
     mainloop without async copies fail; fp32's 32-bit loads and a non-convolution pass."""
     scalar = _entry(ldg_by_width={"128": 0, "64": 0, "32": 0, "16": 96, "8": 0})
-    bad = ST.check_entries([scalar, _entry(dtype="fp16", ldgsts_by_width={"128": 4, "16": 2}),
+    bad = limits.check_entries([scalar, _entry(dtype="fp16", ldgsts_by_width={"128": 4, "16": 2}),
                             _entry(async_copies={"LDGSTS": 0, "UTMALDG": 0})])
     assert len(bad) == 3
     assert "96 scalar 16/8-bit" in bad[0] and "2 scalar 16/8-bit" in bad[1] and "no async" in bad[2]
-    assert ST.check_entries([_entry(async_copies={"LDGSTS": 0, "UTMALDG": 3}),
+    assert limits.check_entries([_entry(async_copies={"LDGSTS": 0, "UTMALDG": 3}),
                              _entry(dtype="fp32", ldg_by_width={"32": 40}),
                              _entry(conv=False, async_copies={}, ldg_by_width={"16": 8})]) == []
 
 
 def test_static_refuses_under_interpreter(monkeypatch, capsys):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert ST.main(["--no-triton"]) == 2
+    assert report.main(["--no-triton"]) == 2
     assert "TRITON_INTERPRET" in capsys.readouterr().err
+
+
+def test_bench_static_flag_points_to_the_tool(capsys):
+    """The installed benchmark runner no longer carries the static report: ``--static`` names the tool."""
+    from fused_preact.bench import run
+
+    assert run.main(["--static", "--arch", "90"]) == 2
+    assert "python -m tools.static_report" in capsys.readouterr().err

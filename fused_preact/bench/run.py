@@ -34,7 +34,8 @@ from a results file without a GPU.
 Outputs in ``--out`` (default ``benchmarks/results``): ``<device>-<date>.json`` (format:
 :func:`validate_results`), ``.md`` (summary and full tables) and ``.png`` (speedups and memory).
 Without CUDA the command refuses (exit code 2): no CPU timing is ever written as a result.
-``--static`` runs the compile-only kernel report instead (:mod:`fused_preact.bench.static`, no GPU).
+The compile-only kernel report (no GPU) is a repository tool: ``python -m tools.static_report`` from
+the repository root (``--static`` only says so).
 """
 
 from __future__ import annotations
@@ -733,9 +734,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chart", action="store_true", help="skip the PNG")
     p.add_argument("--report", metavar="JSON", help="only re-render table/markdown/chart of an existing results file (no GPU)")
     p.add_argument("--static", action="store_true",
-                   help="no GPU: compile every kernel offline and report registers, spills, tensor-core and vector "
-                        "instructions (the other arguments are those of python -m fused_preact.bench.static)")
+                   help="the static kernel report is `python -m tools.static_report` from the repository root; "
+                        "this flag only prints that and exits with 2")
     return p
+
+
+#: What ``--static`` prints: the compile-only report is a developer tool of the repository, not installed.
+STATIC_MOVED = ("the static kernel report is not part of the installed package: from the repository root, run "
+                "`python -m tools.static_report ...` (same arguments; docs/static-report.md)")
 
 
 def cuda_refusal() -> Optional[str]:
@@ -752,13 +758,12 @@ def cuda_refusal() -> Optional[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI entry point (see the module docstring). Returns the exit code: 0 done, 2 refused (no
-    CUDA, Triton interpreter active, invalid --report file); with ``--static``, that of
-    :func:`fused_preact.bench.static.main` (no CUDA needed)."""
+    CUDA, Triton interpreter active, invalid --report file, or ``--static``: the static report is
+    ``python -m tools.static_report``, run from the repository root)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--static" in argv:  # the compile-only report: its own arguments, no CUDA needed
-        from fused_preact.bench import static
-
-        return static.main([x for x in argv if x != "--static"])
+    if "--static" in argv:
+        print(f"fused_preact.bench: {STATIC_MOVED}", file=sys.stderr)
+        return 2
     a = _parser().parse_args(argv)
     if a.report:
         obj = json.loads(Path(a.report).read_text())

@@ -1,14 +1,19 @@
-"""Job provider of the static report for the fused chains: every Triton launch a block can make.
+"""Jobs of the static report: the launch record it compiles, and the provider for the fused chains.
 
-For each distinct pre-activation block of the requested models (:func:`fused_preact.bench.shapes.
-enumerate_blocks`) and each dtype, a :class:`fused_preact.ops.triton.plan.TritonPlan` is built on the meta
-device (nothing is allocated) and its forward and backward are *recorded* instead of launched
-(:func:`fused_preact.ops.triton.launch.recording`): the records are exactly the ``fn[grid](*args, **kwargs)`` calls a GPU
+A :class:`StaticJob` is one kernel launch exactly as a launcher makes it, ``fn[grid](*args, **kwargs)``.
+A *job provider* maps ``(units: list[UnitShape], dtypes: list[torch.dtype])`` to StaticJobs;
+:func:`chain_jobs` is the report's default.
+
+:func:`chain_jobs`: for each distinct pre-activation block of the requested models
+(:func:`fused_preact.bench.shapes.enumerate_blocks`) and each dtype, a ``TritonPlan`` is built on the
+meta device (nothing is allocated) and its forward and backward are *recorded* instead of launched
+(``recording`` of the Triton backend's launchers): the records are exactly the ``fn[grid](*args, **kwargs)`` calls a GPU
 would run, so the report compiles what runs. Recorded per block and dtype:
 
     train and eval mode (BN finalize modes, dgrad's eval epilogue), channels_last input;
-    the heuristic default tiles and every autotune candidate (:func:`fused_preact.ops.triton.configs.candidates`,
-    clamped per unit, as the tuner clamps them), each applied to every conv of the block;
+    the heuristic default tiles and every autotune candidate (``candidates`` of the Triton backend,
+    clamped per unit, as the tuner clamps them), each applied to every conv of the block; each job's
+    ``role`` says which (``default``/``candidate``);
     the wgrad K-split a GPU of each arch would choose (132 SMs on sm_90, 108 on sm_80), besides 1;
     the output statistics epilogue on (a block followed by another) and off (the last block).
 
@@ -17,20 +22,82 @@ Meta tensors report ``data_ptr() == 0``, i.e. 16-byte aligned, as the caching al
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from fused_preact.bench.shapes import BlockShape, UnitShape, enumerate_blocks
-from fused_preact.bench.static import StaticJob
 
-__all__ = ["chain_jobs", "SM_COUNT"]
+__all__ = ["TensorSpec", "StaticJob", "chain_jobs", "SM_COUNT"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A stand-in for a tensor argument: what Triton's specializer reads (``.dtype``, ``.data_ptr()``).
+
+    Attributes:
+        dtype: the tensor's ``torch.dtype`` (becomes the pointer type, e.g. ``*bf16``).
+        aligned: whether the data pointer is 16-byte aligned (``torch.empty`` storage is; views at an
+            offset may not be). Aligned pointers get ``tt.divisibility = 16``.
+    """
+
+    dtype: Any
+    aligned: bool = True
+
+    def data_ptr(self) -> int:
+        return 0 if self.aligned else 8
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticJob:
+    """One kernel launch as a launcher makes it: ``fn[grid](*args, **kwargs)``.
+
+    Attributes:
+        kernel: report name (``fprop``, ``dgrad``, …). config: tile/launch config label
+            (e.g. ``128x64x64 w4 s3``).
+        fn: the ``@triton.jit`` function. args: positional arguments (:class:`TensorSpec` or anything
+            with ``.dtype``/``.data_ptr()``, ints, floats, bools, None). kwargs: constexprs and launch
+            options (``num_warps``, ``num_stages``, …), as passed at the launch.
+        conv: True for a convolution/GEMM kernel (``--check`` demands tensor-core instructions);
+            False for elementwise and reduction kernels.
+        variant: what else distinguishes the launch (filter size, epilogue flags), for the report.
+        dtype: activation dtype label (``bf16``, ``fp16``, ``fp32``). shape: the layer it serves.
+        archs: compute capabilities this launch exists on (None: all), e.g. when a launcher's choice
+            depends on the device (SM count).
+        role: ``"default"``: the launch with the backend's heuristic default config (what runs
+            untuned); ``"candidate"``: the launch with one of the autotuner's candidate configs; ``""``:
+            neither (fixtures, anchors). The main-loop limits of ``--check`` read it.
+    """
+
+    kernel: str
+    config: str
+    fn: Any
+    args: tuple
+    kwargs: dict
+    conv: bool = True
+    variant: str = ""
+    dtype: str = ""
+    shape: str = ""
+    archs: Optional[tuple[int, ...]] = None
+    role: str = ""
+
 
 #: SMs per GPU used for the wgrad split: H100 SXM5 (sm_90) 132, A100 (sm_80) 108 (NVIDIA data sheets).
 SM_COUNT: dict[int, int] = {90: 132, 80: 108}
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _CONV = {"fprop", "fprop_proj", "dgrad", "wgrad"}
+
+
+def _triton_backend():
+    """(``TritonPlan``, ``candidates``, ``recording``) of the Triton backend, imported here alone (on
+    first use: the kernels must be decorated after the caller has checked TRITON_INTERPRET)."""
+    from fused_preact.ops.triton.configs import candidates
+    from fused_preact.ops.triton.launch import recording
+    from fused_preact.ops.triton.plan import TritonPlan
+
+    return TritonPlan, candidates, recording
 
 
 def _chain(b: BlockShape):
@@ -70,9 +137,8 @@ def _meta_tensors(spec, dtype):
 def _record(spec, modes, x_shape, dtype, out_stats: bool, overrides=None, split: Optional[int] = None):
     """The Launch records of one forward + backward of the chain (meta device: nothing runs)."""
     from fused_preact.ops.spec import GradNeeds
-    from fused_preact.ops.triton.launch import recording
-    from fused_preact.ops.triton.plan import TritonPlan
 
+    TritonPlan, _, recording = _triton_backend()
     x = torch.empty(x_shape, device="meta", dtype=dtype).contiguous(memory_format=torch.channels_last)
     plan = TritonPlan(spec, modes, x.shape, x.stride(), dtype, x.device, dtype, False, out_stats,
                       overrides=overrides, split=split, tune=False)
@@ -108,7 +174,7 @@ def _variant(rec) -> str:
 def chain_jobs(units: Sequence[UnitShape], dtypes: Sequence[torch.dtype]) -> list[StaticJob]:
     """Every launch of the fused chains for the blocks that contain ``units`` (module docstring)."""
     from fused_preact.ops import BATCH, RUNNING, BNMode
-    from fused_preact.ops.triton.configs import candidates
+    _, candidates, _ = _triton_backend()
 
     wanted = {n for u in units for n in u.names}
     batch = units[0].N if units else 128
@@ -124,22 +190,24 @@ def chain_jobs(units: Sequence[UnitShape], dtypes: Sequence[torch.dtype]) -> lis
             for train in (True, False):
                 modes = tuple(BNMode(BATCH if train else RUNNING, True, train) for _ in range(n))
                 for out_stats in ((True, False) if train else (False,)):
-                    runs.append((modes, out_stats, None, None, None))
+                    runs.append((modes, out_stats, None, None, None, None))
             modes = tuple(BNMode(BATCH, True, True) for _ in range(n))
             plan, _ = _record(spec, modes, x_shape, dtype, True)
             for kind in ("fprop", "dgrad", "wgrad"):
                 per_unit = [_unit_candidates(kind, u, dtype, candidates) for u in plan.units]
                 for j in range(max(len(c) for c in per_unit)):
-                    runs.append((modes, True, {kind: [c[min(j, len(c) - 1)] for c in per_unit]}, None, None))
+                    runs.append((modes, True, {kind: [c[min(j, len(c) - 1)] for c in per_unit]}, None, None, kind))
             for arch, sms in SM_COUNT.items():
                 split = _gpu_split(plan, sms)
                 if split > 1:
-                    runs.append((modes, True, None, split, (arch,)))
-            for modes_r, out_stats, over, split, archs in runs:
+                    runs.append((modes, True, None, split, (arch,), None))
+            for modes_r, out_stats, over, split, archs, tuned in runs:
                 _, launches = _record(spec, modes_r, x_shape, dtype, out_stats, over, split)
                 for rec in launches:
+                    # A candidate run overrides one kernel's tiles; its other launches keep their defaults.
+                    role = "candidate" if rec.name == tuned else "default"
                     jobs.append(StaticJob(rec.name, _label(rec), rec.fn, rec.args, rec.kwargs, rec.name in _CONV,
-                                          _variant(rec), _NAMES[dtype], shape, archs))
+                                          _variant(rec), _NAMES[dtype], shape, archs, role))
     return jobs
 
 
@@ -151,7 +219,7 @@ def _unit_candidates(kind: str, u, dtype, candidates) -> list:
 
 def _gpu_split(plan, sms: int) -> int:
     """The largest wgrad K-split a GPU with ``sms`` SMs picks for a unit of ``plan`` (see
-    :func:`fused_preact.ops.triton.configs.wgrad_split`)."""
+    ``wgrad_split`` in the Triton backend's configs)."""
     best = 1
     for u in plan.units:
         g = u.geom

@@ -1,0 +1,63 @@
+"""The rules of ``--check``.
+
+:func:`check_entries`: every compilation must compile, keep within the arch's shared memory per
+block, use no stack (register spills), and a convolution must have tensor-core instructions, async
+operand copies and no 16/8-bit scalar operand loads in a 16-bit dtype.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+__all__ = ["SMEM_LIMIT", "check_entries"]
+
+#: Max shared memory per block [bytes]: CUDA C Programming Guide, "Technical Specifications per
+#: Compute Capability" (8.0: 163 KB, 9.0: 227 KB, opt-in dynamic).
+SMEM_LIMIT: dict[int, int] = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+
+
+def _operand_load_problems(e: dict) -> list[str]:
+    """A convolution's operand tiles must reach the tensor cores through async copies (cp.async or TMA)
+    or wide loads: no async copy at all, or — in a 16-bit dtype, where every sub-32-bit global load
+    is an element-wise load of an activation, gradient or weight tile — any 16/8-bit LDG or LDGSTS
+    fails. (32-bit loads are left alone: fp32 per-channel vectors such as scale/shift are spread one
+    element per thread, and in fp32 they cannot be told apart from operand loads.)"""
+    why = []
+    asyncs = e.get("async_copies", {})
+    if not (asyncs.get("LDGSTS", 0) or asyncs.get("UTMALDG", 0)):
+        why.append("no async global→shared copies (LDGSTS/UTMALDG) for the operands")
+    if e.get("dtype") in ("bf16", "fp16"):
+        narrow = sum(e.get(key, {}).get(w, 0) for key in ("ldg_by_width", "ldgsts_by_width") for w in ("16", "8"))
+        if narrow:
+            why.append(f"{narrow} scalar 16/8-bit global loads (operand tiles must load as vectors)")
+    return why
+
+
+def check_entries(entries: Sequence[dict]) -> list[str]:
+    """Why each failing entry fails ``--check``: compile error, stack_bytes > 0 (spills), shared
+    memory over the arch's per-block limit (:data:`SMEM_LIMIT`), or a convolution (``conv`` true)
+    without the arch's tensor-core instruction (HGMMA on sm_90+, HMMA below), without async copies, or
+    with scalar 16-bit operand loads (:func:`_operand_load_problems`). Empty: all pass."""
+    problems = []
+    for e in entries:
+        arch = int(re.sub(r"\D", "", e["arch"]) or 0)
+        why = []
+        if e.get("error"):
+            why.append(f"compile failed: {e['error'][:200]}")
+        else:
+            if e.get("stack_bytes", 0) > 0:
+                why.append(f"{e['stack_bytes']} bytes of stack (STL {e.get('spill_stores')}, LDL {e.get('spill_loads')})")
+            limit = SMEM_LIMIT.get(arch)
+            if limit and e.get("shared_bytes", 0) > limit:
+                why.append(f"{e['shared_bytes']} bytes of shared memory > {limit} (would not launch)")
+            if e.get("conv") and not e.get("mma"):
+                op = "HGMMA" if arch >= 90 else "HMMA"
+                why.append(f"no {op} (tensor-core ops found: {e.get('mma_by_op') or 'none'})")
+            if e.get("conv"):
+                why.extend(_operand_load_problems(e))
+        if why:
+            where = ", ".join(e.get("shapes", [])[:3]) + (" …" if len(e.get("shapes", [])) > 3 else "")
+            problems.append(f"{e['kind']} {e['kernel']} [{e['config']}] {e.get('variant', '')} {e.get('dtype', '')} "
+                            f"{e['arch']}: {'; '.join(why)}" + (f"  (e.g. {where})" if where else ""))
+    return problems
