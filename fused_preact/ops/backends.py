@@ -13,6 +13,8 @@ signature (quack's ``backends/protocol.py`` pattern): everything decided once, t
                           fused_preact's kernels are first imported)
     ``CudaBackend``       the CUDA C++ extension ``fused_preact._C`` (CUTLASS; opt-in until a GPU run
                           has verified it)
+    ``RecomputeBackend``  cuDNN's convolutions with BN+ReLU recomputed around them (memory of the fused
+                          path, no custom GEMM): CUDA and CPU tensors
     ``ReferenceBackend``  plain PyTorch: any device and dtype PyTorch serves
 """
 
@@ -28,11 +30,13 @@ from fused_preact.ops._common import compute_dtype, triton_mode
 from fused_preact.ops.chain import ChainFunction, ChainResult, differentiable_slots, reference_chain
 from fused_preact.ops.cuda import ext as cuda_ext
 from fused_preact.ops.cuda.plan import CudaPlan
+from fused_preact.ops.recompute.plan import RecomputePlan
 from fused_preact.ops.spec import (BATCH, EXTERNAL, BNMode, ChainForward, ChainGrads, ChainSpec, ChainTensors, GradNeeds,
                                    SavedChain, StatsHandoff, chain_shapes, validate_chain)
 from fused_preact.ops.triton.plan import TritonPlan
 
-__all__ = ["Plan", "Backend", "TritonBackend", "CudaBackend", "ReferenceBackend", "BACKENDS", "PRIORITY",
+__all__ = ["Plan", "Backend", "TritonBackend", "CudaBackend", "RecomputeBackend", "ReferenceBackend", "BACKENDS",
+           "PRIORITY",
            "BackendChoice", "select_backend", "PlanCache", "run_chain"]
 
 
@@ -186,10 +190,44 @@ class CudaBackend(Backend):
         return CudaPlan(spec, modes, x.shape, x.dtype, cdtype, residual_dtype)
 
 
-BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (CudaBackend, TritonBackend, ReferenceBackend)}
+class RecomputeBackend(Backend):
+    """cuDNN's convolutions with BatchNorm+ReLU recomputed from the saved BN input
+    (:mod:`fused_preact.ops.recompute`): saves what the fused kernels save, runs no custom GEMM. Its
+    elementwise steps are Triton kernels on CUDA and on CPU under Triton's interpreter, ATen ops
+    elsewhere (``runtime_mode``)."""
 
-#: Order in which ``backend="auto"`` tries backends. ``cuda`` is opt-in (``backend="cuda"``) until its
-#: kernels have passed the test suite and the benchmark on a GPU.
+    name = "recompute"
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+
+    @classmethod
+    def runtime_mode(cls):
+        """Where the elementwise steps are Triton kernels and where ATen ops: ``"triton on CUDA, aten on
+        CPU"`` (compiled Triton), ``"interpreter on CPU, aten on CUDA"`` (Triton's interpreter), or
+        ``"aten"`` (no triton)."""
+        return {"compiled": "triton on CUDA, aten on CPU",
+                "interpreter": "interpreter on CPU, aten on CUDA"}.get(triton_mode(), "aten")
+
+    @classmethod
+    def not_supported_reasons(cls, x, spec=None, dtype=None):
+        reasons = super().not_supported_reasons(x, spec, dtype)
+        if x.device.type not in ("cpu", "cuda"):
+            reasons.append(f"recompute: device type {x.device.type!r} not supported")
+        return reasons
+
+    @classmethod
+    def make_plan(cls, spec, modes, x, cdtype, in_stats, out_stats, residual_dtype):
+        return RecomputePlan(spec, modes, x.shape, x.stride(), x.dtype, x.device, cdtype, in_stats, residual_dtype)
+
+
+BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (CudaBackend, TritonBackend, RecomputeBackend,
+                                                          ReferenceBackend)}
+
+#: Order in which ``backend="auto"`` tries backends where it does not measure (see
+#: :mod:`fused_preact.ops.auto`): the fused kernels, then plain PyTorch. ``recompute`` is not in it: it
+#: wins only by measurement (or as the lean choice, :data:`fused_preact.ops.auto.LEAN_PRIORITY`), since
+#: where triton refuses it costs an extra elementwise pass per unit over the reference path for a memory
+#: saving nobody asked for. ``cuda`` is opt-in (``backend="cuda"``) until its kernels have passed the
+#: test suite and the benchmark on a GPU (a measured ``auto`` validates it before it may win).
 PRIORITY: tuple[str, ...] = ("triton", "reference")
 
 
@@ -203,6 +241,10 @@ class BackendChoice(NamedTuple):
 
     backend: type[Backend]
     skipped: tuple[str, ...] = ()
+    #: for ``backend="auto"``: the :class:`fused_preact.ops.auto.Decision` behind the choice (candidates,
+    #: times, validation errors, where it came from), or None where nothing was decided beyond the
+    #: static priority
+    decision: Optional[object] = None
 
     @property
     def name(self) -> str:
@@ -303,7 +345,8 @@ _META = BackendChoice(ReferenceBackend, ("meta tensors: shapes only (plain PyTor
 
 
 def run_chain(requested: str, cache: PlanCache, spec: ChainSpec, x: torch.Tensor, t: ChainTensors,
-              modes: tuple[BNMode, ...], out_stats: bool = False) -> tuple[ChainResult, BackendChoice]:
+              modes: tuple[BNMode, ...], out_stats: bool = False,
+              memory: str = "fastest") -> tuple[ChainResult, BackendChoice]:
     """Run a chain with the backend ``requested`` (``"auto"`` or a name in :data:`BACKENDS`).
 
     The call's signature (:func:`_signature`: chain, BN modes and eps, x's shape/strides/dtype/device,
@@ -311,6 +354,8 @@ def run_chain(requested: str, cache: PlanCache, spec: ChainSpec, x: torch.Tensor
     ``cache``: on a miss the inputs are validated (:func:`validate_chain` and eager ``F.batch_norm``'s
     own checks), the backend chosen and its plan built; a hit has met all of that with tensors of the
     same signature. An empty batch (N = 0) and meta tensors run the reference path, as PyTorch.
+    For ``"auto"`` the choice on a miss is :func:`fused_preact.ops.auto.decide`'s (measured and
+    validated on CUDA, under the ``memory`` policy ``"fastest"`` or ``"lean"``).
 
     Returns:
         ``(result, choice)``: the :class:`ChainResult` and the :class:`BackendChoice` that ran.
@@ -320,7 +365,7 @@ def run_chain(requested: str, cache: PlanCache, spec: ChainSpec, x: torch.Tensor
             backend that cannot serve them; an unknown backend name.
     """
     cd = compute_dtype(x)
-    key = _signature(requested, spec, x, t, modes, cd, out_stats)
+    key = _signature(requested if memory == "fastest" else (requested, memory), spec, x, t, modes, cd, out_stats)
     entry = cache.get(key)
     if entry is None:
         validate_chain(spec, x, t, modes)
@@ -339,7 +384,9 @@ def run_chain(requested: str, cache: PlanCache, spec: ChainSpec, x: torch.Tensor
         plan = None
         if x.shape[0] == 0 and choice.backend.fused:
             choice = _EMPTY
-        elif choice.backend.fused:
+        elif requested == "auto" and not vector_reasons and x.device.type != "meta" and x.shape[0] > 0:
+            choice, plan = _auto.decide(choice, key, spec, x, t, modes, cd, out_stats, memory)
+        if plan is None and choice.backend.fused:
             in_stats = t.in_stats is not None and modes[0].kind == BATCH
             rd = t.residual.dtype if t.residual is not None else None
             plan = choice.backend.make_plan(spec, modes, x, cd, in_stats, out_stats, rd)
@@ -348,6 +395,10 @@ def run_chain(requested: str, cache: PlanCache, spec: ChainSpec, x: torch.Tensor
     if plan is None:
         return reference_chain(spec, x, t, modes), choice
     if torch.compiler.is_compiling():
+        if requested == "auto" and choice.name != "triton":  # a decision of a backend that does not trace
+            choice, plan = _auto.traceable(choice, spec, x, t, modes, cd)
+            if plan is None:
+                return reference_chain(spec, x, t, modes), choice
         return library.compiled_chain(choice.name, spec, x, t, modes, plan), choice
     flat = differentiable_slots(t)
     if torch.is_grad_enabled() and (x.requires_grad or any(f is not None and f.requires_grad for f in flat)):
@@ -358,3 +409,7 @@ def run_chain(requested: str, cache: PlanCache, spec: ChainSpec, x: torch.Tensor
         return ChainResult(outs[0], proj_out, stats), choice
     fwd = plan.forward(x, t)
     return ChainResult(fwd.out, fwd.proj_out, fwd.stats), choice
+
+
+# The measured dispatch builds on everything above (and imports it): bound last, used at call time only.
+from fused_preact.ops import auto as _auto  # noqa: E402
