@@ -70,6 +70,7 @@ import copy
 import dataclasses
 import logging
 import math
+import weakref
 from collections import OrderedDict
 from typing import Callable, Iterator, NamedTuple, Optional, Union
 
@@ -131,12 +132,24 @@ class ConversionReport:
             were already fused, and every other ``BatchNorm2d`` that stays unfused.
         path: which path the replaced modules will run for an input on the model's device and in its
             parameters' dtype (outside autocast) — ``"triton"``, or the fallback and why (e.g. a CPU
-            model without ``TRITON_INTERPRET=1`` runs ``reference``).
+            model without ``TRITON_INTERPRET=1`` runs ``reference``). With ``backend="auto"`` the backend
+            of each block is decided (measured and validated on CUDA) on its first forward:
+            :meth:`dispatch` and ``str()`` report those decisions once they are made.
     """
 
     replaced: list[Replaced] = dataclasses.field(default_factory=list)
     skipped: list[Skipped] = dataclasses.field(default_factory=list)
     path: str = ""
+    model: Optional[Callable[[], Optional[nn.Module]]] = dataclasses.field(default=None, repr=False, compare=False)
+
+    def dispatch(self):
+        """:func:`fused_preact.dispatch.dispatch_report` of the converted model (empty before its first
+        forward, or when the model is gone): per block the candidates, their times, validation errors and
+        the winner."""
+        from fused_preact.dispatch import DispatchReport, dispatch_report
+
+        model = self.model() if self.model is not None else None
+        return dispatch_report(model) if model is not None else DispatchReport()
 
     def __str__(self) -> str:
         lines = [f"fused_preact.convert: {len(self.replaced)} replaced, {len(self.skipped)} not replaced"]
@@ -148,6 +161,9 @@ class ConversionReport:
         if self.skipped:
             lines.append("not replaced:")
             lines += [f"  {s.name or '<model>'} ({s.type}): {s.reason}" for s in self.skipped]
+        decided = self.dispatch()
+        if decided:
+            lines.append(str(decided))
         return "\n".join(lines)
 
 
@@ -753,8 +769,8 @@ def _as_fused_sequential(seq: nn.Sequential, runs: dict[str, tuple[str, ...]], b
     return seq
 
 
-def convert(model: nn.Module, backend: str = "auto", verify: bool = True,
-            report: bool = False) -> Union[nn.Module, tuple[nn.Module, ConversionReport]]:
+def convert(model: nn.Module, backend: str = "auto", verify: bool = True, report: bool = False,
+            memory: str = "fastest") -> Union[nn.Module, tuple[nn.Module, ConversionReport]]:
     """Replace, in place, every recognized BatchNorm → ReLU → Conv structure of ``model`` with fused modules.
 
     Recognized: timm ``resnetv2`` pre-activation blocks (``PreActBasic``, ``PreActBottleneck`` with
@@ -778,15 +794,22 @@ def convert(model: nn.Module, backend: str = "auto", verify: bool = True,
             ``False`` a block's shortcut is assumed to be read the usual way (projection on the
             pre-activation, identity on raw x), which silently miscomputes a block written otherwise.
         report: also return the :class:`ConversionReport`.
+        memory: ``backend="auto"``'s policy: ``"fastest"`` (the default of new fused modules) or ``"lean"``
+            (the fastest of the backends that keep only the BN inputs for backward, set on every fused
+            module of the model; :mod:`fused_preact.ops.auto`).
 
     Returns:
         The converted model, or ``(model, report)`` when ``report=True``. The report is always
         logged at INFO level on the ``"fused_preact"`` logger.
 
     Raises:
-        ValueError: unknown ``backend``.
+        ValueError: unknown ``backend`` or ``memory``.
         TypeError: ``model`` is not an ``nn.Module``.
     """
+    from fused_preact.dispatch import set_memory_policy
+    from fused_preact.ops.auto import check_memory
+
+    check_memory(memory)
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"fused_preact: unknown backend {backend!r}; expected 'auto' or one of {list(BACKENDS)}")
     if not isinstance(model, nn.Module):
@@ -797,5 +820,8 @@ def convert(model: nn.Module, backend: str = "auto", verify: bool = True,
     fused = next((m for m in out.modules() if hasattr(m, "_plans") and hasattr(m, "backend")), None)
     if fused is not None:
         converter.report.path = backend_path(fused)
+    if memory != "fastest":  # the default leaves modules fused before (and their policy) alone
+        set_memory_policy(out, memory)
+    converter.report.model = weakref.ref(out)
     logger.info("%s", converter.report)
     return (out, converter.report) if report else out

@@ -223,13 +223,15 @@ def _sources_sha() -> str:
 def environment(device_type: str, index: Optional[int] = None) -> dict:
     """What a decision depends on besides the signature: device name and compute capability, driver
     (NVML's version, else the CUDA driver API's), CUDA runtime, cuDNN, torch, triton, this package's
-    version and a hash of its op-layer sources."""
+    version and a hash of its op-layer sources, and whether Triton runs compiled or interpreted."""
     import fused_preact
     from fused_preact.ops._common import triton
 
+    from fused_preact.ops._common import triton_mode
+
     env = {"device": device_type, "torch": torch.__version__,
-           "triton": getattr(triton, "__version__", None), "package": fused_preact.__version__,
-           "sources": _sources_sha()}
+           "triton": getattr(triton, "__version__", None), "triton_mode": triton_mode(),
+           "package": fused_preact.__version__, "sources": _sources_sha()}
     if device_type == "cuda":
         idx = torch.cuda.current_device() if index is None else index
         props = torch.cuda.get_device_properties(idx)
@@ -368,6 +370,11 @@ def _measure(static: BackendChoice, spec, x, t, modes, cd, out_stats, memory, si
     return Decision(sig, winner, "measured", memory, timed, cands, note), trials.plans.get(winner), True
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is capturing a graph (never for other devices)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _distributed() -> bool:
     import torch.distributed as dist
 
@@ -421,7 +428,7 @@ def decide(static: BackendChoice, key, spec: ChainSpec, x: torch.Tensor, t: Chai
         return static, None
     timed = "forward+backward" if torch.is_grad_enabled() or any(m.kind == BATCH for m in modes) else "forward"
     sig = signature(spec, x, t, modes, cd, out_stats, memory, timed)
-    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if _capturing(x.device):
         d = _held(key, sig, x, eligible, disk=True)
         if d is not None:
             return _choice(dataclasses.replace(d, source="capture")), None
