@@ -7,8 +7,10 @@
 
 Layout: backend-neutral ``spec`` (structure, typed hand-offs, validation) → ``chain`` (autograd,
 reference) → ``backends`` (protocol, registry, dispatch) and ``library`` (torch.compile custom ops);
-one folder per backend: ``triton/`` (kernels, tile configs, launchers, plan) and ``cuda/`` (the
-``csrc/`` extension's glue and plan). Nothing here imports the modules, models or reports.
+one folder per backend: ``triton/`` (kernels, tile configs, launchers, plan), ``cuda/`` (the
+``csrc/`` extension's glue and plan) and ``recompute/`` (cuDNN convolutions with BN+ReLU recomputed);
+``auto`` + ``trial`` + ``validate`` decide ``backend="auto"`` by measurement and validation. Nothing here
+imports the modules, models or reports.
 """
 
 from fused_preact.ops.backends import BACKENDS, PRIORITY, BackendChoice, PlanCache, run_chain, select_backend
