@@ -27,18 +27,20 @@ _TARGET_PROGRAMS = 1024
 _FOLD_CFG = GemmConfig(16, 16, 16, 4, 1)
 
 
-def tiles(M: int, C: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_C) of the elementwise kernels: 64×64 on a GPU; under the interpreter as few
-    programs as the interpreter's fp32 sums allow (it runs programs one after another)."""
+def tiles(M: int, C: int, channels_inner: bool = True) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_C) of the elementwise kernels: on a GPU 64×64, or 64×32 when channels are not
+    the innermost dimension (NCHW: the tensors' offsets are not shared along a row, and 64×64 tiles of
+    the backward reduction spill in the static report); under the interpreter as few programs as the
+    interpreter's fp32 sums allow (it runs programs one after another)."""
     if interpreting():
         return p2(M, 16, INTERP_SUM_ROWS), p2(C, 16, 256)
-    return 64, 64
+    return 64, 64 if channels_inner else 32
 
 
-def sum_rows(M: int, C: int) -> int:
+def sum_rows(M: int, C: int, channels_inner: bool = True) -> int:
     """Rows one program of :func:`mask_sums` reduces: a multiple of BLOCK_M, so that about
     ``_TARGET_PROGRAMS`` programs cover the (M, C) tensor (at most 64 chunks each)."""
-    bm, bc = tiles(M, C)
+    bm, bc = tiles(M, C, channels_inner)
     if interpreting():
         return bm
     per = triton.cdiv(M * triton.cdiv(C, bc), _TARGET_PROGRAMS)
@@ -55,7 +57,7 @@ def preact(*, x: torch.Tensor, pack: torch.Tensor, a: torch.Tensor, idx64: bool)
     (N, C, H, W) ``x`` and ``a`` of the same shape, any strides; stored in a's dtype."""
     N, C, H, W = x.shape
     M = N * H * W
-    bm, bc = tiles(M, C)
+    bm, bc = tiles(M, C, x.stride(1) == 1)
     grid = (triton.cdiv(M, bm), triton.cdiv(C, bc))
     args = (x, *_strides(x), pack, a, *_strides(a), M, H, W, C)
     kw = dict(IDX64=idx64, BLOCK_M=bm, BLOCK_C=bc, num_warps=4)
@@ -72,10 +74,11 @@ def mask_sums(*, da: torch.Tensor, x: torch.Tensor, pack: torch.Tensor, out: tor
     strides) of the unit whose BN input is ``x``: ``dz = da·[x·scale + shift > 0]`` (or, with
     ``write_dx``, ``dx = scale·dz`` + ``res``) into ``out`` through its (n, h, w, c) ``out_strides``
     (``out`` may alias ``da``), and per program of ``rows`` rows Σdz, Σdz·x̂ into ``psum``
-    (programs, 2, C) fp32. Returns the number of partial rows written."""
+    (programs, 2, C) fp32; ``rows`` must be :func:`sum_rows` of the same layout. Returns the number of
+    partial rows written."""
     N, C, H, W = x.shape
     M = N * H * W
-    bm, bc = tiles(M, C)
+    bm, bc = tiles(M, C, x.stride(1) == 1)
     parts = triton.cdiv(M, rows)
     grid = (parts, triton.cdiv(C, bc))
     rs = _strides(res) if res is not None else (0, 0, 0, 0)

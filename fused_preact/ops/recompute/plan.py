@@ -75,7 +75,8 @@ class RecomputePlan:
         cdtype: the compute dtype (the convolutions' and ``a``'s; the autocast dtype under autocast).
         in_stats: bn_0's batch statistics come as a :class:`~fused_preact.ops.spec.StatsHandoff` (the
             Triton path finalizes them instead of reading x). residual_dtype: the ``r`` of
-            ``residual="tensor"``.
+            ``residual="tensor"``. use_triton: run the elementwise steps as Triton kernels (default:
+            :func:`uses_triton` of ``device``; the static report records them on the meta device).
 
     The output's partial statistics are never handed out (``out_stats = False``): the next chain
     computes its own.
@@ -85,15 +86,16 @@ class RecomputePlan:
 
     def __init__(self, spec: ChainSpec, modes: tuple[BNMode, ...], x_shape, x_strides, x_dtype: torch.dtype,
                  device: torch.device, cdtype: torch.dtype, in_stats: bool,
-                 residual_dtype: Optional[torch.dtype] = None):
+                 residual_dtype: Optional[torch.dtype] = None, use_triton: Optional[bool] = None):
         self.spec, self.modes, self.cdtype, self.x_dtype = spec, modes, cdtype, x_dtype
-        self.triton = uses_triton(device)
+        self.triton = uses_triton(device) if use_triton is None else use_triton
         self.in_stats = in_stats and self.triton
         self.shapes = [tuple(s) for s in chain_shapes(spec, tuple(x_shape))]
         self.out_shape = self.shapes[-1]
         res_dtype = {"input": x_dtype, "tensor": residual_dtype}.get(spec.residual)
         self.out_dtype = torch.promote_types(cdtype, res_dtype) if res_dtype is not None else cdtype
         N, C, H, W = x_shape
+        self.channels_last = tuple(x_strides)[1] == 1 and C > 1
         if spec.proj is not None:
             self.proj_shape = (N, spec.proj.out_channels, *spec.proj.out_hw(H, W))
             self.proj_args = (list(spec.proj.stride), _NO_PAD, [1, 1], False, _NO_PAD, 1)
@@ -108,7 +110,8 @@ class RecomputePlan:
             n, c, h, w = self.shapes[i]
             M = n * h * w
             self.stats_rows.append(p2(M, 16, INTERP_SUM_ROWS) if interpreting() else 256)
-            self.sum_rows.append(RL.sum_rows(M, c) if self.triton else M)
+            inner = (x_strides[1] == 1) if i == 0 else (self.channels_last or c == 1)
+            self.sum_rows.append(RL.sum_rows(M, c, inner) if self.triton else M)
             fwd = triton.cdiv(M, self.stats_rows[i]) if mode.kind == BATCH and not (i == 0 and self.in_stats) else 0
             self.aux_sizes += [5 * c, max(fwd, triton.cdiv(M, self.sum_rows[i])) * 2 * c, 2 * c]
         self.aux_total = sum(self.aux_sizes)
