@@ -310,3 +310,33 @@ def test_repr_and_report_say_which_path_runs():
     assert "runs='triton'" in repr(m)  # the interpreter is on in this test session
     m64 = FusedBNReLUConv2d(4, 4, 3, backend="auto").double()
     assert "runs='reference (triton: dtype torch.float64" in repr(m64)
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_frozen_conv_weights(backend):
+    """Conv weights that need no gradient (a frozen backbone, fine-tuning BN only): the backward runs
+    without weight gradients (the wgrad kernel's fold alone on the Triton path) and x's and the BN
+    parameters' gradients are still eager's."""
+    torch.manual_seed(5)
+    fused = FusedPreActBlock(5, 8, 2, backend=backend).to(DEVICE)
+    _randomize_bn(fused, seed=6)
+    for conv in (fused.conv1, fused.conv2, fused.shortcut):
+        conv.weight.requires_grad_(False)
+    eager = PreActBlock(5, 8, 2)
+    eager.load_state_dict(fused.state_dict())
+    for conv in (eager.conv1, eager.conv2, eager.shortcut):
+        conv.weight.requires_grad_(False)
+    eager = eager.double()
+    x = torch.randn(2, 5, 9, 7) + 0.5
+    xf, xe = x.to(DEVICE, copy=True).requires_grad_(), x.double().requires_grad_()
+    y, ye = fused(xf), eager(xe)
+    dy = torch.randn(ye.shape, dtype=torch.float64)
+    y.backward(dy.to(DEVICE, y.dtype))
+    ye.backward(dy)
+    assert_close(y, ye, torch.float32, "forward")
+    assert_close(xf.grad, xe.grad, torch.float32, "grad x")
+    for (name, p), (_, pe) in zip(fused.named_parameters(), eager.named_parameters()):
+        assert (p.grad is None) == (pe.grad is None) == (not p.requires_grad), name
+        if p.grad is not None:
+            assert_close(p.grad, pe.grad, torch.float32, f"grad {name}")
+    assert fused.last_backend == backend
