@@ -22,6 +22,14 @@
 #                                          "--models preact_resnet50 --dtype bf16"; ~9.5 min)
 #   bash benchmarks/gpu_session.sh enqueue --level block model --modes enqueue: host enqueue time vs
 #                                          wall time per block fwd+bwd and training step (~9.5 min)
+#   bash benchmarks/gpu_session.sh auto    backend="auto" and the recompute backend on the GPU: the
+#                                          auto/recompute tests on CUDA (validation rejecting an injected
+#                                          wrong kernel with real timing; recompute against float64),
+#                                          then block fwd+bwd and model steps for eager, triton,
+#                                          recompute, auto, auto-lean (AUTO_ARGS, default
+#                                          "--models preact_resnet50 preact_resnet164 --dtype bf16") and
+#                                          benchmarks/check_auto.py on the results: auto ≥ 0.98× eager,
+#                                          auto-lean ≤ 0.6× eager's peak memory (~9.5 min)
 #   bash benchmarks/gpu_session.sh quick   "$PY" -m fused_preact.bench --quick (~2.5 min)
 #   bash benchmarks/gpu_session.sh pytest  pytest benchmarks --benchmark-only
 #                                          (FUSED_PREACT_BENCH=quick unless set; ~9.5 min at most)
@@ -32,7 +40,7 @@
 # writes them there on the device, where they vanish with the machine).
 set -uo pipefail
 STAGE=${1:-check}
-case "$STAGE" in check|bench|quick|pytest|csrc|kernels|enqueue) ;; *) echo "unknown stage '$STAGE' (check, bench, quick, pytest, csrc, kernels, enqueue)"; exit 2 ;; esac
+case "$STAGE" in check|bench|quick|pytest|csrc|kernels|enqueue|auto) ;; *) echo "unknown stage '$STAGE' (check, bench, quick, pytest, csrc, kernels, enqueue, auto)"; exit 2 ;; esac
 # the device image's interpreter is python3 (a venv's; a bare `python` may be missing there)
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 OUT=${OUT:-gpu-out}
@@ -140,6 +148,22 @@ PYEOF
     bench $((555 - SECONDS)) "$PY" -m fused_preact.bench --level block model --modes enqueue --providers eager triton \
       --out "$OUT" --no-chart --time-limit $((555 - SECONDS - 70)) ${FUSED_PREACT_COMMIT:+--commit "$FUSED_PREACT_COMMIT"}
     ;;
+  auto)
+    # the decision machinery and the recompute backend on CUDA (the CPU-only cases skip), Triton's
+    # compilations shared with the benchmark below through its on-disk cache
+    run auto-tests 180 "$PY" -m pytest tests/test_auto.py tests/test_recompute.py tests/test_saved_tensors.py -q \
+      -p no:cacheprovider -rs > "$OUT/auto_tests.log" 2>&1
+    tail -12 "$OUT/auto_tests.log"
+    # shellcheck disable=SC2086  # AUTO_ARGS is a list of arguments
+    bench $((520 - SECONDS)) "$PY" -m fused_preact.bench --level block model --modes fwd+bwd \
+      --providers eager triton recompute auto auto-lean --out "$OUT" --no-chart \
+      --time-limit $((520 - SECONDS - 70)) ${FUSED_PREACT_COMMIT:+--commit "$FUSED_PREACT_COMMIT"} \
+      ${AUTO_ARGS:---models preact_resnet50 preact_resnet164 --dtype bf16}
+    for f in "$OUT"/*-20*.json; do
+      run check-auto 30 "$PY" benchmarks/check_auto.py "$f" > "$OUT/auto_check.txt" 2>&1
+      cat "$OUT/auto_check.txt"
+    done
+    ;;
   quick)
     bench 200 "$PY" -m fused_preact.bench --quick --out "$OUT" ${FUSED_PREACT_COMMIT:+--commit "$FUSED_PREACT_COMMIT"}
     ;;
@@ -147,7 +171,7 @@ PYEOF
     pytest_bench $((560 - SECONDS))
     ;;
   *)
-    echo "unknown stage '$STAGE' (check, bench, quick, pytest, csrc, kernels, enqueue)"
+    echo "unknown stage '$STAGE' (check, bench, quick, pytest, csrc, kernels, enqueue, auto)"
     exit 2
     ;;
 esac

@@ -10,6 +10,7 @@ triton is imported):
     convert(), ConversionReport                                 swap fused modules into existing models (timm, ...)
     convert_sync_batchnorm()                                    SyncBatchNorm that keeps fused modules fused
     backends(), select_backend()                                backend availability and choice
+    dispatch_report(), set_memory_policy()                      what backend="auto" decided per block, and its policy
 
 Source: He et al., "Identity Mappings in Deep Residual Networks", ECCV 2016.
 """
@@ -27,6 +28,8 @@ _LAZY = {
     "convert_sync_batchnorm": "fused_preact.modules",
     "backends": "fused_preact.dispatch",
     "select_backend": "fused_preact.dispatch",
+    "dispatch_report": "fused_preact.dispatch",
+    "set_memory_policy": "fused_preact.dispatch",
 }
 _SUBMODULES = ("models", "ops", "modules", "conversion", "experiments", "bench")
 

@@ -2,23 +2,30 @@
 
 ``fused_preact.backends()`` answers, per backend and per device/dtype, "ok" or the reasons it refuses
 (including what to do about it: set ``TRITON_INTERPRET=1`` to run the kernels on CPU, build the CUDA
-extension). The backend classes themselves (``TritonBackend``, ``CudaBackend``, ``ReferenceBackend``)
-and ``select_backend`` live in the op layer and are re-exported here.
+extension). ``fused_preact.dispatch_report(model)`` answers, per fused module and input signature, what
+``backend="auto"`` decided and why (candidates, their times, validation errors, the winner;
+:mod:`fused_preact.ops.auto`); ``set_memory_policy(model, "lean")`` changes the policy it decides by.
+The backend classes themselves (``TritonBackend``, ``CudaBackend``, ``RecomputeBackend``,
+``ReferenceBackend``) and ``select_backend`` live in the op layer and are re-exported here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional, Sequence
 
 import torch
+import torch.nn as nn
 
 from fused_preact.ops._common import triton_mode
-from fused_preact.ops.backends import (BACKENDS, PRIORITY, Backend, BackendChoice, CudaBackend, ReferenceBackend,
-                                       TritonBackend, select_backend)
+from fused_preact.ops.auto import check_memory
+from fused_preact.ops.backends import (BACKENDS, PRIORITY, Backend, BackendChoice, CudaBackend, PlanCache,
+                                       RecomputeBackend, ReferenceBackend, TritonBackend, select_backend)
 
-__all__ = ["Backend", "BackendChoice", "BACKENDS", "PRIORITY", "TritonBackend", "CudaBackend", "ReferenceBackend",
-           "backends", "select_backend", "triton_mode"]
+__all__ = ["Backend", "BackendChoice", "BACKENDS", "PRIORITY", "TritonBackend", "CudaBackend", "RecomputeBackend",
+           "ReferenceBackend", "backends", "select_backend", "triton_mode", "dispatch_report", "DispatchReport",
+           "set_memory_policy"]
 
 _ALL_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -53,3 +60,75 @@ def backends(devices: Optional[Sequence[str]] = None) -> dict[str, dict[str, obj
                 entry[f"{dev}/{str(dtype).replace('torch.', '')}"] = "; ".join(reasons) if reasons else "ok"
         report[name] = entry
     return report
+
+
+class DispatchReport(list):
+    """What every fused module of a model ran, per input signature it has seen: a list of dicts
+
+    ``{"module": qualified name, "type": class name, "requested": backend, "memory": policy,
+    "runs": backend that ran, "reason": fallback reason or None, "source": where the choice came from,
+    "signature": the decision's signature or None, "timed": what was timed, "note": ...,
+    "candidates": [{"name", "ms", "valid", "errors", "error", "refused", "lean"}, ...]}``
+
+    ``source`` is a :class:`fused_preact.ops.auto.Decision`'s source (``measured``, ``disk cache``,
+    ``process``, ``rank 0``, ``capture``, ``compile``, ``static``), ``priority`` for an ``auto`` choice
+    made by the static order (nothing measured: ``FUSED_PREACT_DISPATCH=priority``, a device that is not
+    measured, one candidate), ``forced`` for a named backend. ``str()`` gives one line per entry.
+    """
+
+    def __str__(self) -> str:
+        if not self:
+            return "fused_preact.dispatch_report: no fused module has run yet"
+        lines = [f"fused_preact.dispatch_report: {len(self)} signature(s)"]
+        for e in self:
+            head = f"  {e['module'] or '<model>'} ({e['type']}): {e['runs']} [{e['source']}]"
+            parts = []
+            for c in e["candidates"]:
+                if c["refused"]:
+                    continue
+                if c["valid"] is False:
+                    parts.append(f"{c['name']} INVALID: {c['error']}")
+                elif c["ms"] is not None:
+                    parts.append(f"{c['name']} {c['ms']:.3f} ms")
+            lines.append(head + (": " + ", ".join(parts) if parts else "")
+                         + (f" — {e['reason']}" if e["reason"] else ""))
+        return "\n".join(lines)
+
+
+def dispatch_report(model: nn.Module) -> DispatchReport:
+    """Per fused module of ``model`` (any module holding a plan cache: the fused modules, converted
+    blocks and Sequentials) and per input signature it has run: the backend that ran and, for
+    ``backend="auto"``, the decision behind it (see :class:`DispatchReport`). Modules that have not run
+    yet have no entry. Reads only what the modules recorded: nothing is run or measured."""
+    report = DispatchReport()
+    for name, m in model.named_modules():
+        plans = getattr(m, "_plans", None)
+        if not isinstance(plans, PlanCache):
+            continue
+        requested = getattr(m, "backend", None)
+        for choice, _ in list(plans.values()):
+            d = getattr(choice, "decision", None)
+            source = d.source if d is not None else ("priority" if requested == "auto" else "forced")
+            report.append(dict(
+                module=name, type=type(m).__name__, requested=requested, memory=getattr(m, "memory", "fastest"),
+                runs=choice.name, reason=choice.reason, source=source,
+                signature=d.signature if d is not None else None, timed=d.timed if d is not None else None,
+                note=d.note if d is not None else None,
+                candidates=[dataclasses.asdict(c) for c in d.candidates] if d is not None else []))
+    return report
+
+
+def set_memory_policy(model: nn.Module, memory: str) -> nn.Module:
+    """Set ``backend="auto"``'s memory policy on every fused module of ``model`` (``"fastest"``: the
+    fastest valid backend; ``"lean"``: the fastest of those that keep only the BN inputs for backward)
+    and clear their plan caches, so the next call decides again. Returns ``model``.
+
+    Raises:
+        ValueError: an unknown policy.
+    """
+    check_memory(memory)
+    for m in model.modules():
+        if isinstance(getattr(m, "_plans", None), PlanCache) and hasattr(m, "backend"):
+            m.memory = memory
+            m._plans.clear()
+    return model

@@ -35,6 +35,7 @@ from fused_preact.ops import (
     run_chain,
     select_backend,
 )
+from fused_preact.ops.auto import check_memory
 from fused_preact.ops.chain import ChainResult
 from fused_preact.ops.sync_stats import sync_bn_statistics, sync_enabled
 
@@ -150,7 +151,8 @@ def run_units(owner: nn.Module, x: torch.Tensor, units: list, proj: Optional[nn.
     t = _tensors(units, proj, residual if kind == "tensor" else None, modes)
     if in_stats is not None and modes[0].kind == BATCH:
         t.in_stats = in_stats
-    result, choice = run_chain(owner.backend, owner._plans, spec, x, t, modes, out_stats=want_stats)
+    result, choice = run_chain(owner.backend, owner._plans, spec, x, t, modes, out_stats=want_stats,
+                               memory=getattr(owner, "memory", "fastest"))
     _record(owner, choice.name, choice.reason, x)
     return result
 
@@ -197,7 +199,8 @@ def _synchronized_units(owner, x, units, proj, proj_out, residual):
             t.ext_mean, t.ext_invstd = mean, invstd
         else:
             t = _tensors([(bn, conv)], unit_proj, None, (mode,))
-        result, choice = run_chain(owner.backend, owner._plans, spec, h, t, (mode,))
+        result, choice = run_chain(owner.backend, owner._plans, spec, h, t, (mode,),
+                                   memory=getattr(owner, "memory", "fastest"))
         _record(owner, choice.name, choice.reason, h)
         h = result.out
         if i == 0 and proj is not None:
@@ -256,9 +259,9 @@ class FusedModuleBase(nn.Module):
     per-input-signature plan cache, cleared whenever the module's parameters move or change dtype
     (``_apply``: ``.to()``, ``.cuda()``, ``.half()`` …)."""
 
-    def __init__(self, backend: str):
+    def __init__(self, backend: str, memory: str = "fastest"):
         super().__init__()
-        init_fused_state(self, backend)
+        init_fused_state(self, backend, memory)
 
     def _apply(self, fn, recurse=True):
         self._plans.clear()
@@ -268,9 +271,15 @@ class FusedModuleBase(nn.Module):
         return describe_backend(self)
 
 
-def init_fused_state(module: nn.Module, backend: str) -> None:
-    """Give ``module`` the attributes the fused paths read and write (``backend``, ``last_backend``,
-    ``fallback_reason``, plan caches)."""
+def init_fused_state(module: nn.Module, backend: str, memory: str = "fastest") -> None:
+    """Give ``module`` the attributes the fused paths read and write (``backend``, ``memory`` — the
+    ``backend="auto"`` policy, see :mod:`fused_preact.ops.auto` —, ``last_backend``,
+    ``fallback_reason``, plan caches).
+
+    Raises:
+        ValueError: ``memory`` is not ``"fastest"`` or ``"lean"``.
+    """
+    module.memory = check_memory(memory)
     module.backend = backend
     module.last_backend = None
     module.fallback_reason = None
@@ -356,8 +365,11 @@ class FusedBNReLUConv2d(FusedModuleBase):
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias: as ``nn.Conv2d``.
         eps, momentum, affine, track_running_stats: as ``nn.BatchNorm2d``.
-        backend: ``"auto"``, ``"triton"``, ``"cuda"`` or ``"reference"`` (see ``fused_preact.dispatch``).
+        backend: ``"auto"``, ``"triton"``, ``"cuda"``, ``"recompute"`` or ``"reference"`` (see
+            ``fused_preact.dispatch``).
         device, dtype: factory kwargs for both children.
+        memory: ``backend="auto"``'s policy: ``"fastest"`` (the fastest valid backend) or ``"lean"`` (the
+            fastest of those that save only the BN input for backward; see :mod:`fused_preact.ops.auto`).
 
     Shapes: input (N, in_channels, H, W), NCHW or channels_last; output (N, out_channels, P, Q) in
     the input's memory format. dtypes: float32/float16/bfloat16 fused; float64 on the reference path.
@@ -387,8 +399,9 @@ class FusedBNReLUConv2d(FusedModuleBase):
         backend: str = "auto",
         device=None,
         dtype=None,
+        memory: str = "fastest",
     ):
-        super().__init__(backend)
+        super().__init__(backend, memory)
         kw = dict(device=device, dtype=dtype)
         self.bn = _bn(in_channels, eps, momentum, affine, track_running_stats, **kw)
         self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, **kw)
@@ -413,7 +426,8 @@ class FusedPreActBlock(FusedModuleBase):
     Args:
         in_planes: input channels. planes: output channels (``expansion = 1``).
         stride: stride of conv1 and of the projection shortcut.
-        eps, momentum: of both BatchNorms. backend: see ``fused_preact.dispatch``.
+        eps, momentum: of both BatchNorms. backend: see ``fused_preact.dispatch``. memory: ``backend="auto"``'s
+        policy (``"fastest"`` or ``"lean"``), as in :class:`FusedBNReLUConv2d`.
 
     Attributes: ``bn1``, ``conv1`` (3×3, stride), ``bn2``, ``conv2`` (3×3), and ``shortcut``: a 1×1
     conv with the block's stride (no BN) when the shape changes, otherwise ``None``.
@@ -430,8 +444,8 @@ class FusedPreActBlock(FusedModuleBase):
     expansion = 1
 
     def __init__(self, in_planes: int, planes: int, stride: int = 1, eps: float = 1e-5, momentum: Optional[float] = 0.1,
-                 backend: str = "auto", device=None, dtype=None):
-        super().__init__(backend)
+                 backend: str = "auto", device=None, dtype=None, memory: str = "fastest"):
+        super().__init__(backend, memory)
         build_basic_layers(self, in_planes, planes, stride, eps, momentum, device=device, dtype=dtype)
 
     def _units(self) -> list[tuple[nn.BatchNorm2d, nn.Conv2d]]:
@@ -452,7 +466,7 @@ class FusedPreActBottleneck(FusedModuleBase):
     input when the shape changes, else ``None`` (identity on raw x) — the same rule as
     :class:`FusedPreActBlock`.
 
-    Args: in_planes, planes (output has ``4·planes`` channels), stride, eps, momentum, backend as
+    Args: in_planes, planes (output has ``4·planes`` channels), stride, eps, momentum, backend, memory as
     :class:`FusedPreActBlock`; ``groups`` and ``base_width`` make it a ResNeXt bottleneck (grouped
     3×3 conv of width ``⌊planes·base_width/64⌋·groups``, Xie et al. 2017).
     Shapes: (N, in_planes, H, W) → (N, 4·planes, ⌈H/stride⌉, ⌈W/stride⌉).
@@ -461,8 +475,9 @@ class FusedPreActBottleneck(FusedModuleBase):
     expansion = 4
 
     def __init__(self, in_planes: int, planes: int, stride: int = 1, eps: float = 1e-5, momentum: Optional[float] = 0.1,
-                 backend: str = "auto", groups: int = 1, base_width: int = 64, device=None, dtype=None):
-        super().__init__(backend)
+                 backend: str = "auto", groups: int = 1, base_width: int = 64, device=None, dtype=None,
+                 memory: str = "fastest"):
+        super().__init__(backend, memory)
         build_bottleneck_layers(self, in_planes, planes, stride, eps, momentum, groups, base_width,
                                 device=device, dtype=dtype)
 

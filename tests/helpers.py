@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import math
 import time
-from collections import defaultdict
 
 import torch
 
 from conftest import DEVICE
+from fused_preact.ops.validate import EAGER_FLOOR, EAGER_RATIO, ErrorPool, rule_violations
+
+#: The backends that replace eager BN → ReLU → Conv with their own kernels or recomputation: every
+#: op, module and model test against eager runs each of them.
+FUSED_BACKENDS = ("triton", "recompute")
 
 #: Max-norm relative tolerance per compute dtype: ``max|got − ref| ≤ tol · max(|ref|, floor)``.
 #: fp32 against a float64 reference; fp16/bf16 against the float64 reference of the same
@@ -37,44 +40,12 @@ def assert_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what:
     assert err <= TOL[dtype], f"{what}: relative error {err:.3e} > {TOL[dtype]:.1e} ({dtype})"
 
 
-#: The eager-relative rule for 16-bit runs (:func:`assert_within_eager`): a fused error may be up to
-#: EAGER_RATIO times eager's own error against the same float64 reference, plus EAGER_FLOOR[dtype].
-EAGER_RATIO = 2.0
-#: machine epsilon of the dtype, i.e. two units of roundoff (fp16 9.8e-4, bf16 7.8e-3): where eager's own error
-#: is tiny (e.g. running statistics, computed in fp32 and rounded once) the fused path may round once more.
-EAGER_FLOOR = {dt: torch.finfo(dt).eps for dt in (torch.float16, torch.bfloat16)}
-
-
-class ErrorPool:
-    """Relative L2 errors of named tensors against their references, pooled over several draws.
-
-    ``rel(name) = sqrt(Σ ||got − ref||²) / sqrt(Σ max(||ref||, scale)²)`` over the draws added under
-    ``name`` (float64 arithmetic; ``scale`` floors the denominator of a tensor whose reference is ~0,
-    e.g. the gradient of a conv bias that feeds a training-mode BatchNorm).
-
-    Why pooled L2 and not one draw's max-norm: in 16-bit training a pre-activation within rounding
-    distance of zero lands on the other side of the ReLU in either build, at random places; in a
-    small test model one such flip moves a gradient's max-norm error by 10-100× (measured for eager
-    PyTorch itself between inputs 1% apart). Summing squared errors over several draws averages the
-    flips, so the comparison of two builds measures their rounding, not which draw had a flip.
-    """
-
-    def __init__(self) -> None:
-        self.num: dict[str, float] = defaultdict(float)
-        self.den: dict[str, float] = defaultdict(float)
-
-    def add(self, name: str, got: torch.Tensor, ref: torch.Tensor, scale: float = 0.0) -> None:
-        """Add one draw of tensor ``name``: ``got`` (any dtype/device) against ``ref`` (same shape)."""
-        got = got.detach().double().cpu()
-        ref = ref.detach().double().cpu()
-        assert got.shape == ref.shape, (name, got.shape, ref.shape)
-        self.num[name] += (got - ref).square().sum().item()
-        self.den[name] += max(ref.norm().item(), scale) ** 2
-
-    def rel(self, name: str) -> float:
-        """The pooled relative L2 error of ``name`` (0 for an empty or all-zero reference and no error)."""
-        num, den = self.num[name], self.den[name]
-        return 0.0 if num == 0 else math.sqrt(num / den) if den > 0 else math.inf
+#: The eager-relative rule (:mod:`fused_preact.ops.validate`, which ``backend="auto"`` applies too): a
+#: fused error may be up to EAGER_RATIO times eager's own error against the same float64 reference, plus
+#: EAGER_FLOOR[dtype] (machine epsilon of a 16-bit dtype: where eager's own error is tiny, e.g. running
+#: statistics computed in fp32 and rounded once, the fused path may round once more). ErrorPool pools them.
+__all__ = ["FUSED_BACKENDS", "TOL", "rel_err", "assert_close", "EAGER_RATIO", "EAGER_FLOOR", "ErrorPool", "assert_within_eager",
+           "randn", "HostEvent"]
 
 
 def assert_within_eager(fused: ErrorPool, eager: ErrorPool, dtype: torch.dtype, what: str = "") -> None:
@@ -87,9 +58,7 @@ def assert_within_eager(fused: ErrorPool, eager: ErrorPool, dtype: torch.dtype, 
     Raises AssertionError listing every tensor that breaks the rule.
     """
     assert set(fused.num) == set(eager.num), (sorted(fused.num), sorted(eager.num))
-    floor = EAGER_FLOOR[dtype]
-    bad = [f"{n}: fused {fused.rel(n):.2e} > {EAGER_RATIO:g} × eager {eager.rel(n):.2e} + {floor:.1e}"
-           for n in fused.num if fused.rel(n) > EAGER_RATIO * eager.rel(n) + floor]
+    bad = rule_violations(fused.rels(), eager.rels(), EAGER_FLOOR[dtype], EAGER_RATIO)
     assert not bad, f"{what} ({dtype}): fused 16-bit errors beyond the eager-relative rule:\n" + "\n".join(bad)
 
 

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from collections import OrderedDict
+from pathlib import Path
 
 import pytest
 import torch
@@ -349,3 +350,69 @@ def test_step_harness_trains_and_records_what_ran(host_harness, monkeypatch):
     m = h.measure(warmup=1, reps=2, max_s=10.0)
     assert len(m.times_ms) == 2 and m.extra == {"pool": 4, "backend": "eager"}
     assert all(not torch.equal(a, b) for a, b in zip(before, h.model.parameters()))  # SGD stepped every weight
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="harness on the CPU with Triton's interpreter")
+def test_recompute_and_auto_providers_record_what_ran(host_harness, monkeypatch):
+    """recompute runs the recompute backend; auto / auto-lean run backend="auto" (measured here on the
+    CPU with an injected timer) and their measurements carry each fused module's choice, its source and
+    the candidates' times, which the report's auto table summarizes."""
+    from fused_preact.ops import auto
+    from fused_preact.bench.shapes import BlockShape
+
+    monkeypatch.setenv("FUSED_PREACT_DISPATCH", "measure")
+    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CACHE", "none")
+    monkeypatch.setattr(BT, "peak_memory", lambda run, setup: 0)
+    auto.forget()
+    u = UnitShape("m", "m/l/c", 2, 8, 5, 5, 8, 3, 3, (1, 1), (1, 1))
+    h = BT.LayerHarness(BT.unit_module("recompute", u, torch.float32), (2, 8, 5, 5), torch.float32, 1 << 20, 2,
+                        provider="recompute")
+    assert h.backend == "recompute"
+    times = {"triton": 2.0, "recompute": 3.0, "reference": 1.0}
+    b = BlockShape("m", "m/b", "basic", 2, 5, 5, 8, 8, 1)
+    entries = []
+    try:
+        with auto.measuring(devices=("cpu",), timer=lambda name, run, dev: times[name]):
+            for provider, winner in (("auto", "reference"), ("auto-lean", "triton")):
+                mod = BT.block_module(provider, b, torch.float32)
+                lh = BT.LayerHarness(mod, (2, 8, 5, 5), torch.float32, 1 << 20, 2, provider=provider)
+                assert lh.backend == "auto"
+                m = lh.measure("fwd+bwd", warmup=0, reps=1, max_s=60.0)
+                (choice,) = m.extra["auto"]
+                assert choice["runs"] == winner and choice["source"] in ("measured", "process")
+                assert choice["candidates"]["reference"] == 1.0
+                entries.append(bench.make_entry(name="m/b", level="block", provider=provider, mode="fwd+bwd",
+                                                dtype="fp32", batch=2, times_ms=m.times_ms, peak_mem_bytes=0, **m.extra))
+    finally:
+        auto.forget()
+    obj = _results(entries)
+    text = bench.format_table(obj)
+    assert "auto: backends chosen" in text and "reference×1" in text and "triton×1" in text
+
+
+def test_check_auto_applies_the_gpu_targets(tmp_path, capsys):
+    """benchmarks/check_auto.py: auto must reach 0.98× eager's speed, auto-lean at most 0.6× its memory."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import check_auto
+    finally:
+        sys.path.pop(0)
+
+    def entry(provider, ms, mem):
+        e = bench.make_entry(name="m/b", level="block", provider=provider, mode="fwd+bwd", dtype="bf16", batch=2,
+                             times_ms=[ms], peak_mem_bytes=mem)
+        e["auto"] = [dict(module="", runs="recompute", source="measured", memory="fastest", reason=None,
+                          candidates={"triton": "invalid: dx: 3e-02 > ...", "recompute": ms})]
+        return e
+
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(_results([entry("eager", 1.0, 100), entry("auto", 1.01, 90),
+                                         entry("auto-lean", 1.2, 55)])))
+    assert check_auto.main([str(path)]) == 0
+    path.write_text(json.dumps(_results([entry("eager", 1.0, 100), entry("auto", 1.1, 90),
+                                         entry("auto-lean", 1.2, 70)])))
+    assert check_auto.main([str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "invalid: triton" in out
+    path.write_text(json.dumps(_results([entry("eager", 1.0, 100)])))
+    assert check_auto.main([str(path)]) == 2

@@ -18,7 +18,7 @@ from fused_preact.models import (
     preact_resnet1001,
     preact_resnet_cifar,
 )
-from helpers import assert_close
+from helpers import FUSED_BACKENDS, assert_close
 
 
 def _params(m):
@@ -57,13 +57,14 @@ def test_invalid_depth():
         preact_resnet_cifar(21)
 
 
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
 @pytest.mark.parametrize("bottleneck", [False, True], ids=["basic", "bottleneck"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
-def test_fused_model_trains_like_eager_twin(bottleneck, channels_last):
-    """Several SGD steps: fused (Triton) fp32 and eager float64 give the same losses, grads, buffers."""
+def test_fused_model_trains_like_eager_twin(bottleneck, channels_last, backend):
+    """Several SGD steps: fused fp32 and eager float64 give the same losses, grads, buffers."""
     depth = 11 if bottleneck else 8
     torch.manual_seed(0)
-    fused = preact_resnet_cifar(depth, fused=True, backend="triton", bottleneck=bottleneck).to(DEVICE)
+    fused = preact_resnet_cifar(depth, fused=True, backend=backend, bottleneck=bottleneck).to(DEVICE)
     eager = preact_resnet_cifar(depth, fused=False, bottleneck=bottleneck).double()
     eager.load_state_dict(fused.state_dict())
     fmt = torch.channels_last if channels_last else torch.contiguous_format
@@ -101,8 +102,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
 @pytest.mark.parametrize("count", [2, 3, 4, 5])
-def test_chained_statistics_at_few_values_per_channel(count):
+def test_chained_statistics_at_few_values_per_channel(count, backend):
     """Blocks chained through their epilogue statistics, last stage at 1×1 so every BN there sees
     N·H·W = ``count`` values per channel; compared with a float64 twin, fused error ≤ 2 × eager fp32's
     own error + 1e-4 for output, input gradient, every parameter gradient and every running statistic.
@@ -114,7 +116,7 @@ def test_chained_statistics_at_few_values_per_channel(count):
     At eps 1e-2 both are within 1e-6, and a statistics defect (a wrong count, a wrong tile fold)
     still shows at the 1e-1 level."""
     torch.manual_seed(count)
-    fused = preact_resnet_cifar(14, fused=True, backend="triton").to(DEVICE)
+    fused = preact_resnet_cifar(14, fused=True, backend=backend).to(DEVICE)
     for m in fused.modules():
         if isinstance(m, torch.nn.BatchNorm2d):
             m.weight.data.uniform_(0.5, 1.5)

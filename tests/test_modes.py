@@ -14,19 +14,19 @@ from fused_preact import FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottlen
 from fused_preact.models import PreActBlock, PreActBottleneck, preact_resnext50_32x4d
 from fused_preact.modules import bottleneck_width
 from fused_preact.ops._common import input_precision
-from helpers import TOL, assert_close, rel_err
+from helpers import FUSED_BACKENDS, TOL, assert_close, rel_err
 from test_modules import _compare, _randomize_bn
 
 AUTOCAST_DTYPES = [torch.float16, torch.bfloat16] if HAS_CUDA else [torch.bfloat16]
 
 
-def _twins(kind: str):
+def _twins(kind: str, backend: str = "triton"):
     torch.manual_seed(0)
     if kind == "unit":
-        fused = FusedBNReLUConv2d(6, 8, 3, stride=2, padding=1, backend="triton")
+        fused = FusedBNReLUConv2d(6, 8, 3, stride=2, padding=1, backend=backend)
         eager = nn.Sequential(copy.deepcopy(fused.bn), nn.ReLU(), copy.deepcopy(fused.conv))
     else:
-        fused = FusedPreActBlock(6, 8, stride=2, backend="triton")
+        fused = FusedPreActBlock(6, 8, stride=2, backend=backend)
         eager = PreActBlock(6, 8, stride=2)
     _randomize_bn(fused, seed=3)
     eager.load_state_dict(fused.state_dict() if kind == "block" else
@@ -34,12 +34,13 @@ def _twins(kind: str):
     return fused.to(DEVICE), eager
 
 
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
 @pytest.mark.parametrize("dtype", AUTOCAST_DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["unit", "block"])
-def test_autocast_runs_conv_in_autocast_dtype_and_stats_in_fp32(kind, dtype):
+def test_autocast_runs_conv_in_autocast_dtype_and_stats_in_fp32(kind, dtype, backend):
     """Under torch.autocast the fused output has eager's dtype, gradients come back in fp32, the
     running statistics are fp32-accurate, and values are within the 16-bit tolerance of float64."""
-    fused, eager = _twins(kind)
+    fused, eager = _twins(kind, backend)
     eager_ac = copy.deepcopy(eager).to(DEVICE)
     eager64 = eager.double()
     x = torch.randn(3, 6, 9, 7) * 2 + 0.5
@@ -51,7 +52,7 @@ def test_autocast_runs_conv_in_autocast_dtype_and_stats_in_fp32(kind, dtype):
         y_eager = eager_ac(xe)
     y64 = eager64(x64)
     assert y.dtype == y_eager.dtype == dtype
-    assert fused.last_backend == "triton"
+    assert fused.last_backend == backend
     dy = torch.randn(y64.shape, dtype=torch.float64)
     y.backward(dy.to(DEVICE, dtype))
     y64.backward(dy)
@@ -82,12 +83,13 @@ def test_fp32_matmul_precision_follows_cudnn_allow_tf32(allow, monkeypatch):
     assert input_precision(torch.float16) == "ieee"
 
 
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("kind", ["unit", "block"])
-def test_empty_batch_behaves_as_pytorch(kind, train):
+def test_empty_batch_behaves_as_pytorch(kind, train, backend):
     """N = 0: empty output of the right shape, zero parameter gradients, running stats untouched,
     num_batches_tracked counted (what nn.BatchNorm2d does)."""
-    fused, eager = _twins(kind)
+    fused, eager = _twins(kind, backend)
     fused.train(train)
     eager.train(train)
     x = torch.randn(0, 6, 9, 7)
@@ -104,15 +106,17 @@ def test_empty_batch_behaves_as_pytorch(kind, train):
         assert torch.equal(b.cpu(), be), name
 
 
-def test_deterministic_algorithms_give_bitwise_repeats():
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_deterministic_algorithms_give_bitwise_repeats(backend):
     """The fused kernels use no atomics (split-K partials are summed in order), so under
-    torch.use_deterministic_algorithms(True) two identical steps agree bit for bit."""
+    torch.use_deterministic_algorithms(True) two identical steps agree bit for bit (the recompute
+    backend's cuDNN convolutions are then deterministic too)."""
     results = []
     old = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         for _ in range(2):
-            fused, _ = _twins("block")
+            fused, _ = _twins("block", backend)
             x = (torch.randn(4, 6, 11, 10, generator=torch.Generator().manual_seed(5)) + 1).to(DEVICE).requires_grad_()
             y = fused(x)
             y.square().sum().backward()
@@ -123,11 +127,12 @@ def test_deterministic_algorithms_give_bitwise_repeats():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("in_planes,planes,stride,groups,base_width", [(16, 4, 1, 4, 32), (12, 8, 2, 2, 8)])
-def test_resnext_bottleneck_matches_eager(in_planes, planes, stride, groups, base_width, train):
+def test_resnext_bottleneck_matches_eager(in_planes, planes, stride, groups, base_width, train, backend):
     torch.manual_seed(4)
-    fused = FusedPreActBottleneck(in_planes, planes, stride, backend="triton", groups=groups, base_width=base_width)
+    fused = FusedPreActBottleneck(in_planes, planes, stride, backend=backend, groups=groups, base_width=base_width)
     assert fused.conv2.groups == groups and fused.conv2.out_channels == bottleneck_width(planes, groups, base_width)
     _randomize_bn(fused, seed=5)
     eager = PreActBottleneck(in_planes, planes, stride, groups=groups, base_width=base_width)

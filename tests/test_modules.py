@@ -16,7 +16,7 @@ from conftest import DEVICE
 from fused_preact import FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottleneck
 from fused_preact.dispatch import BACKENDS, select_backend
 from fused_preact.models import PreActBlock, PreActBottleneck
-from helpers import assert_close, rel_err
+from helpers import FUSED_BACKENDS, assert_close, rel_err
 
 
 def _randomize_bn(model: nn.Module, seed: int = 0) -> None:
@@ -56,6 +56,7 @@ def _compare(fused: nn.Module, eager64: nn.Module, x: torch.Tensor, train: bool,
             assert_close(b, b_ref, torch.float32, name)
 
 
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize(
     "kw",
@@ -68,16 +69,16 @@ def _compare(fused: nn.Module, eager64: nn.Module, x: torch.Tensor, train: bool,
     ],
     ids=["3x3", "strided-dilated-grouped-bias", "1x1-cumulative", "no-affine", "no-running-stats"],
 )
-def test_fused_bn_relu_conv_matches_eager(kw, train):
+def test_fused_bn_relu_conv_matches_eager(kw, train, backend):
     torch.manual_seed(0)
-    fused = FusedBNReLUConv2d(6, 10, **kw, backend="triton").to(DEVICE)
+    fused = FusedBNReLUConv2d(6, 10, **kw, backend=backend).to(DEVICE)
     _randomize_bn(fused)
     bn_kw = {k: kw[k] for k in ("momentum", "affine", "track_running_stats") if k in kw}
     conv_kw = {"bias": False, **{k: v for k, v in kw.items() if k not in bn_kw}}
     eager = nn.Sequential(nn.BatchNorm2d(6, **bn_kw), nn.ReLU(), nn.Conv2d(6, 10, **conv_kw))
     eager.load_state_dict({k.replace("bn.", "0.").replace("conv.", "2."): v for k, v in fused.state_dict().items()})
     _compare(fused, eager.double(), torch.randn(3, 6, 9, 8) * 1.5 + 0.3, train, steps=3)
-    assert fused.last_backend == "triton" and fused.fallback_reason is None
+    assert fused.last_backend == backend and fused.fallback_reason is None
 
 
 def test_state_dict_keys_are_pytorch_keys():
@@ -88,6 +89,7 @@ def test_state_dict_keys_are_pytorch_keys():
     assert isinstance(m.bn, nn.BatchNorm2d) and isinstance(m.conv, nn.Conv2d)
 
 
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize(
     "cls,eager_cls,in_planes,planes,stride",
@@ -99,9 +101,9 @@ def test_state_dict_keys_are_pytorch_keys():
     ],
     ids=["basic-identity", "basic-projection", "bottleneck-identity", "bottleneck-projection"],
 )
-def test_blocks_match_eager(cls, eager_cls, in_planes, planes, stride, train):
+def test_blocks_match_eager(cls, eager_cls, in_planes, planes, stride, train, backend):
     torch.manual_seed(1)
-    fused = cls(in_planes, planes, stride, backend="triton").to(DEVICE)
+    fused = cls(in_planes, planes, stride, backend=backend).to(DEVICE)
     _randomize_bn(fused, seed=2)
     eager = eager_cls(in_planes, planes, stride)
     eager.load_state_dict(fused.state_dict())
@@ -109,18 +111,20 @@ def test_blocks_match_eager(cls, eager_cls, in_planes, planes, stride, train):
     _compare(fused, eager.double(), torch.randn(2, in_planes, 9, 7) + 0.5, train)
 
 
-def test_identity_shortcut_reads_raw_input():
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_identity_shortcut_reads_raw_input(backend):
     """With the residual branch zeroed, the block is exactly the identity on the raw input."""
-    block = FusedPreActBlock(6, 6, backend="triton").to(DEVICE)
+    block = FusedPreActBlock(6, 6, backend=backend).to(DEVICE)
     nn.init.zeros_(block.conv2.weight)
     x = torch.randn(2, 6, 5, 5, device=DEVICE) * 3 - 1
     assert torch.equal(block(x), x)
 
 
-def test_projection_reads_preactivation_and_shares_bn1_stats():
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_projection_reads_preactivation_and_shares_bn1_stats(backend):
     """bn1 is counted once per forward although its statistics feed conv1 and the projection, and
     with the residual branch zeroed the block is exactly the projection of relu(bn1(x))."""
-    block = FusedPreActBlock(4, 8, stride=2, backend="triton").to(DEVICE)
+    block = FusedPreActBlock(4, 8, stride=2, backend=backend).to(DEVICE)
     _randomize_bn(block, seed=3)
     block(torch.randn(2, 4, 6, 6, device=DEVICE))
     assert int(block.bn1.num_batches_tracked) == 1
@@ -175,8 +179,9 @@ def test_unknown_backend():
     ],
     ids=["rank", "channels", "one-value", "int", "bool", "dtype-mismatch", "too-small"],
 )
-def test_bad_input_raises_and_leaves_buffers(x, exc, match):
-    m = FusedBNReLUConv2d(3, 4, (3, 1), backend="triton").to(DEVICE)
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_bad_input_raises_and_leaves_buffers(x, exc, match, backend):
+    m = FusedBNReLUConv2d(3, 4, (3, 1), backend=backend).to(DEVICE)
     before = copy.deepcopy(m.state_dict())
     with pytest.raises(exc, match=match):
         m(x.to(DEVICE))
@@ -212,8 +217,10 @@ def test_backends_report():
     from fused_preact import backends
 
     report = backends(["cpu"])
-    assert set(report) == {"cuda", "triton", "reference"}
+    assert set(report) == {"cuda", "triton", "recompute", "reference"}
     assert report["cuda"]["priority"] is None  # opt-in until verified on a GPU
+    assert report["recompute"]["priority"] is None  # chosen by measurement (or memory="lean"), not statically
+    assert report["recompute"]["cpu/float32"] == "ok" and "not in" in report["recompute"]["cpu/float64"]
     assert "extension is not available" in report["cuda"]["cpu/float16"] or DEVICE == "cuda"
     assert report["reference"]["cpu/float64"] == "ok"
     assert "not in" in report["triton"]["cpu/float64"]
@@ -303,3 +310,33 @@ def test_repr_and_report_say_which_path_runs():
     assert "runs='triton'" in repr(m)  # the interpreter is on in this test session
     m64 = FusedBNReLUConv2d(4, 4, 3, backend="auto").double()
     assert "runs='reference (triton: dtype torch.float64" in repr(m64)
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_frozen_conv_weights(backend):
+    """Conv weights that need no gradient (a frozen backbone, fine-tuning BN only): the backward runs
+    without weight gradients (the wgrad kernel's fold alone on the Triton path) and x's and the BN
+    parameters' gradients are still eager's."""
+    torch.manual_seed(5)
+    fused = FusedPreActBlock(5, 8, 2, backend=backend).to(DEVICE)
+    _randomize_bn(fused, seed=6)
+    for conv in (fused.conv1, fused.conv2, fused.shortcut):
+        conv.weight.requires_grad_(False)
+    eager = PreActBlock(5, 8, 2)
+    eager.load_state_dict(fused.state_dict())
+    for conv in (eager.conv1, eager.conv2, eager.shortcut):
+        conv.weight.requires_grad_(False)
+    eager = eager.double()
+    x = torch.randn(2, 5, 9, 7) + 0.5
+    xf, xe = x.to(DEVICE, copy=True).requires_grad_(), x.double().requires_grad_()
+    y, ye = fused(xf), eager(xe)
+    dy = torch.randn(ye.shape, dtype=torch.float64)
+    y.backward(dy.to(DEVICE, y.dtype))
+    ye.backward(dy)
+    assert_close(y, ye, torch.float32, "forward")
+    assert_close(xf.grad, xe.grad, torch.float32, "grad x")
+    for (name, p), (_, pe) in zip(fused.named_parameters(), eager.named_parameters()):
+        assert (p.grad is None) == (pe.grad is None) == (not p.requires_grad), name
+        if p.grad is not None:
+            assert_close(p.grad, pe.grad, torch.float32, f"grad {name}")
+    assert fused.last_backend == backend

@@ -15,6 +15,7 @@ import torch
 from conftest import DEVICE
 from fused_preact import FusedBNReLUConv2d, FusedPreActBlock
 from fused_preact.models import PreActBlock
+from helpers import FUSED_BACKENDS
 
 
 def _pattern(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -37,17 +38,18 @@ def _run(fused, eager, x):
     return outs
 
 
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("kind", ["unit", "block"])
-def test_nonfinite_input_pattern_matches_eager(kind, train, value):
+def test_nonfinite_input_pattern_matches_eager(kind, train, value, backend):
     torch.manual_seed(0)
     if kind == "unit":
-        fused = FusedBNReLUConv2d(8, 8, 3, padding=1, backend="triton").to(DEVICE)
+        fused = FusedBNReLUConv2d(8, 8, 3, padding=1, backend=backend).to(DEVICE)
         eager = torch.nn.Sequential(torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, padding=1,
                                                                                            bias=False)).to(DEVICE)
     else:
-        fused = FusedPreActBlock(8, 8, backend="triton").to(DEVICE)
+        fused = FusedPreActBlock(8, 8, backend=backend).to(DEVICE)
         eager = PreActBlock(8, 8).to(DEVICE)
     for b in fused.buffers():
         if b.is_floating_point():

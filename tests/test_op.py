@@ -12,7 +12,7 @@ import fused_preact.ops.triton.plan as triton_plans
 import fused_preact.ops.bn_relu_conv as op_mod
 from conftest import DEVICE
 from fused_preact.ops import bn_relu_conv2d, bn_relu_conv2d_reference
-from helpers import TOL, assert_close
+from helpers import FUSED_BACKENDS, TOL, assert_close
 
 # (N, C, H, W, K, R, stride, padding, dilation, groups): odd channel counts, 1×1 images, all paddings.
 SHAPES = [
@@ -35,7 +35,8 @@ def _ids(shape):
     return f"n{n}c{c}h{h}w{w}k{k}r{r}s{s}p{p}d{d}g{g}"
 
 
-def _run(shape, training, channels_last, dtype, *, affine=True, bias=False, track=True, momentum=0.1, seed=0):
+def _run(shape, training, channels_last, dtype, *, affine=True, bias=False, track=True, momentum=0.1, seed=0,
+         backend="triton"):
     """Run fused (in ``dtype``) and float64 reference on the same (rounded) data; compare everything."""
     N, C, H, W, K, R, stride, pad, dil, groups = shape
     gen = torch.Generator().manual_seed(seed)
@@ -76,7 +77,7 @@ def _run(shape, training, channels_last, dtype, *, affine=True, bias=False, trac
     fused_running = [r.to(DEVICE, torch.float32).clone() if r is not None else None for r in running]
     y = bn_relu_conv2d(
         fused_leaves["x"], fused_leaves["weight"], fused_leaves["bias"], *fused_running,
-        fused_leaves["gamma"], fused_leaves["beta"], training, momentum, 1e-5, **conv, backend="triton",
+        fused_leaves["gamma"], fused_leaves["beta"], training, momentum, 1e-5, **conv, backend=backend,
     )
     assert y.dtype == dtype and y.shape == y_ref.shape
     expect_cl = channels_last and not fused_leaves["x"].is_contiguous()
@@ -104,36 +105,42 @@ def _fp32_cases():
         yield pytest.param(shape, False, id=f"{_ids(shape)}-nchw", marks=marks)
 
 
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
 @pytest.mark.parametrize("shape,channels_last", _fp32_cases())
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_fp32(shape, training, channels_last):
-    _run(shape, training, channels_last, torch.float32)
+def test_fp32(shape, training, channels_last, backend):
+    _run(shape, training, channels_last, torch.float32, backend=backend)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3], SHAPES[7], SHAPES[10]], ids=_ids)
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_half(dtype, shape, training):
-    _run(shape, training, True, dtype)
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_half(dtype, shape, training, backend):
+    _run(shape, training, True, dtype, backend=backend)
 
 
-def test_eval_batch_one():
-    _run((1, 5, 7, 9, 6, 3, 1, 1, 1, 1), False, False, torch.float32)
-    _run((1, 24, 1, 1, 8, 1, 1, 0, 1, 1), False, True, torch.float32)
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_eval_batch_one(backend):
+    _run((1, 5, 7, 9, 6, 3, 1, 1, 1, 1), False, False, torch.float32, backend=backend)
+    _run((1, 24, 1, 1, 8, 1, 1, 0, 1, 1), False, True, torch.float32, backend=backend)
 
 
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_affine_false_with_bias(training):
-    _run(SHAPES[1], training, False, torch.float32, affine=False, bias=True)
+def test_affine_false_with_bias(training, backend):
+    _run(SHAPES[1], training, False, torch.float32, affine=False, bias=True, backend=backend)
 
 
-def test_no_running_stats():
-    _run(SHAPES[0], True, True, torch.float32, track=False)
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_no_running_stats(backend):
+    _run(SHAPES[0], True, True, torch.float32, track=False, backend=backend)
 
 
-def test_momentum_one_and_zero():
-    _run(SHAPES[4], True, False, torch.float32, momentum=1.0)
-    _run(SHAPES[4], True, False, torch.float32, momentum=0.0)
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_momentum_one_and_zero(backend):
+    _run(SHAPES[4], True, False, torch.float32, momentum=1.0, backend=backend)
+    _run(SHAPES[4], True, False, torch.float32, momentum=0.0, backend=backend)
 
 
 @pytest.mark.parametrize("split", [2, 3])
@@ -152,19 +159,27 @@ def test_wrong_results_are_caught():
         assert_close(ref * (1 + 10 * TOL[torch.float32]), ref, torch.float32)
 
 
-def test_deterministic():
-    """Two runs of forward+backward are bitwise identical (no atomics in any reduction)."""
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_deterministic(backend):
+    """Two runs of forward+backward are bitwise identical (no atomics in any reduction; cuDNN's
+    convolutions of the recompute backend are deterministic on the CPU and under
+    ``torch.backends.cudnn.deterministic``)."""
     def once():
         torch.manual_seed(3)
         x = torch.randn(2, 8, 9, 9, device=DEVICE).requires_grad_()
         w = torch.randn(8, 8, 3, 3, device=DEVICE).requires_grad_()
         g = torch.rand(8, device=DEVICE).add(0.5).requires_grad_()
         b = torch.randn(8, device=DEVICE).requires_grad_()
-        y = bn_relu_conv2d(x, w, None, None, None, g, b, True, padding=1, backend="triton")
+        y = bn_relu_conv2d(x, w, None, None, None, g, b, True, padding=1, backend=backend)
         return (y, *torch.autograd.grad(y.square().sum(), (x, w, g, b)))
 
-    for a, b in zip(once(), once()):
-        assert torch.equal(a, b)
+    old = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True
+    try:
+        for a, b in zip(once(), once()):
+            assert torch.equal(a, b)
+    finally:
+        torch.backends.cudnn.deterministic = old
 
 
 @pytest.mark.gpu

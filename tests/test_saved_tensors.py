@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
 from conftest import DEVICE
-from fused_preact import FusedBNReLUConv2d, FusedPreActBlock
-from fused_preact.models import PreActBlock
+from fused_preact import FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottleneck
+from fused_preact.models import PreActBlock, PreActBottleneck
 
 
 def saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
@@ -45,3 +46,31 @@ def test_fused_block_saves_less_than_eager():
     x = torch.randn(4, 16, 32, 32, device=DEVICE, requires_grad=True)
     fused_b, eager_b = saved_bytes(fused, x), saved_bytes(eager, x)
     assert fused_b / eager_b < 0.6, (fused_b, eager_b)
+
+
+def _bottlenecks(stride: int):
+    torch.manual_seed(0)
+    fused = {b: FusedPreActBottleneck(32, 16, stride=stride, backend=b).to(DEVICE) for b in ("triton", "recompute")}
+    eager = PreActBottleneck(32, 16, stride=stride).to(DEVICE)
+    eager.load_state_dict(fused["triton"].state_dict())
+    return fused, eager
+
+
+@pytest.mark.parametrize("stride", [1, 2], ids=["identity", "projection"])
+def test_recompute_bottleneck_saves_like_the_fused_path(stride):
+    """The recompute backend keeps what the fused kernels keep — the units' inputs and per-channel
+    vectors, never the BN or ReLU outputs: ≤ 1.15× the fused path's saved bytes, ≤ 0.6× eager's."""
+    fused, eager = _bottlenecks(stride)
+    x = torch.randn(4, 32, 16, 16, device=DEVICE, requires_grad=True)
+    got = {b: saved_bytes(m, x) for b, m in fused.items()}
+    eager_b = saved_bytes(eager, x)
+    assert got["recompute"] <= 1.15 * got["triton"], (got, eager_b)
+    assert got["recompute"] <= 0.6 * eager_b, (got, eager_b)
+
+
+def test_recompute_unit_saves_its_input_only():
+    torch.manual_seed(0)
+    m = FusedBNReLUConv2d(16, 16, 3, padding=1, backend="recompute").to(DEVICE)
+    x = torch.randn(8, 16, 32, 32, device=DEVICE, requires_grad=True)
+    act = x.numel() * x.element_size()
+    assert act <= saved_bytes(m, x) < 1.1 * act

@@ -315,3 +315,19 @@ def test_bench_static_flag_points_to_the_tool(capsys):
 
     assert run.main(["--static", "--arch", "90"]) == 2
     assert "python -m tools.static_report" in capsys.readouterr().err
+
+
+@needs_tools
+def test_recompute_kernels_compile_without_spills(tmp_path):
+    """The recompute backend's own launches (pre-activation pass, BN backward reduction, and the fold it
+    borrows from the wgrad kernel, launched without a weight gradient) compile for sm_90 in NCHW and
+    channels_last without spills. The fold's compilation is the one a None weight-gradient pointer
+    broke (only a GPU compile shows it: the interpreter never reaches the wgrad tiles)."""
+    proc, obj = _static(tmp_path, "--provider", "tools.static_report.recompute_jobs:recompute_jobs", "--arch", "90",
+                        "--models", "preact_resnet164", "--layers", "layer1.1/conv2", "--dtypes", "bf16",
+                        "--kernels", "preact", "mask_sums", "fold", "--check")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    kernels = {e["kernel"] for e in obj["entries"]}
+    assert kernels == {"preact", "mask_sums", "fold"}
+    assert any("nchw" in e["variant"] for e in obj["entries"])
+    assert all("error" not in e and e["stack_bytes"] == 0 for e in obj["entries"])

@@ -29,7 +29,8 @@ from helpers import TOL, rel_err
 SPLITS = (5, 2)  # images per rank: unequal on purpose
 #: precision case -> (dtype the ranks compute in, [(module kind, backend of the fused modules), ...])
 PRECISIONS = {
-    "fp32-fused": (torch.float32, [("unit", "auto"), ("block", "auto"), ("unit", "reference")]),
+    "fp32-fused": (torch.float32, [("unit", "auto"), ("block", "auto"), ("unit", "reference"), ("unit", "recompute"),
+                                   ("block", "recompute")]),
     "fp64-reference": (torch.float64, [("unit", "reference"), ("block", "reference")]),
 }
 
@@ -116,7 +117,7 @@ def test_sync_bn_two_processes_equals_one_big_batch(precision, tmp_path):
       the running-statistics update) must reproduce the single-process result to float64 accuracy
       (``TOL[float64]`` = 1e-10): any error in the synchronization shows here, untouched by kernel
       rounding.
-    * ``fp32-fused``: the fused kernels (``auto`` → triton; and a unit on ``reference``) in IEEE
+    * ``fp32-fused``: the fused kernels (``auto`` → triton; ``recompute``; and a unit on ``reference``) in IEEE
       fp32 against the float64 reference: ``TOL[float32]`` = 1e-4 relative (max-norm), the suite's
       fp32 tolerance, which covers fp32 rounding of a 72-term (3×3×8) reduction and of the BN
       statistics over 7·7·6 values (observed errors ~1e-6); running statistics 1e-5.
@@ -136,7 +137,7 @@ def test_sync_bn_two_processes_equals_one_big_batch(precision, tmp_path):
     tol, tol_stats = TOL[dtype], min(TOL[dtype], 1e-5)
     fused_ok = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     for kind, backend in cases:
-        expected_backend = "triton" if backend == "auto" and fused_ok else "reference"
+        expected_backend = {"auto": "triton" if fused_ok else "reference"}.get(backend, backend)
         _, eager = _build(kind)
         eager.train()
         for step, x in enumerate(_data(steps)):

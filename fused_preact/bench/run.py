@@ -11,7 +11,10 @@ Levels (``--level``):
             cuDNN doing the same convolution on the pre-activated tensor (:mod:`fused_preact.bench.kernels`);
             not in the default levels (``--quick`` runs two shapes of it)
 Providers (``--providers``): eager, compile, compile-max-autotune, triton, cuda (skipped with the
-dispatcher's reason until a ``cuda`` backend is registered), eager-cudagraph, triton-cudagraph; at the
+dispatcher's reason until a ``cuda`` backend is registered), recompute, auto and auto-lean (``backend="auto"``
+measured and validated per block on its first, untimed call, ``memory="fastest"`` / ``"lean"``; each entry's
+``auto`` field lists per fused module the chosen backend and the candidates' times), eager-cudagraph,
+triton-cudagraph; at the
 kernel level cudnn (always run: the reference of the ratios), triton, cuda, cudnn-fused (float16).
 Mode ``enqueue`` (``--modes``; block and model levels, providers eager, triton, cuda): ``--enqueue-steps``
 fwd+bwd calls (block) or training steps (model) back to back without synchronizing; ``median_ms`` is the
@@ -74,18 +77,20 @@ LEVELS: tuple[str, ...] = ("unit", "block", "model", "kernel")
 #: Every entry mode: unit/block modes, the model's training step, host enqueue time, kernel modes.
 ENTRY_MODES: tuple[str, ...] = MODES + ("step", "enqueue") + KERNEL_MODES
 #: Providers whose enqueue time is measured (mode ``enqueue``).
-ENQUEUE_PROVIDERS: tuple[str, ...] = ("eager", "triton", "cuda")
-_ALL_PROVIDERS = ("eager", "compile", "compile-max-autotune", "triton", "cuda", "eager-cudagraph", "triton-cudagraph",
-                  "cudnn", "cudnn-fused")
-_FUSED = ("triton", "cuda", "triton-cudagraph")
+ENQUEUE_PROVIDERS: tuple[str, ...] = ("eager", "triton", "cuda", "recompute", "auto")
+_ALL_PROVIDERS = ("eager", "compile", "compile-max-autotune", "triton", "cuda", "recompute", "auto", "auto-lean",
+                  "eager-cudagraph", "triton-cudagraph", "cudnn", "cudnn-fused")
+_FUSED = ("triton", "cuda", "recompute", "auto", "auto-lean", "triton-cudagraph")
 _COMPILE = ("compile", "compile-max-autotune")
 #: Rough first-run (cold cache) seconds per task on an H100, by level and provider; used only to
 #: decide whether a task still fits in ``--time-limit``. Guesses until a GPU run replaces them.
 EST_S: dict[str, dict[str, float]] = {
-    "unit": {"eager": 3, "triton": 5, "cuda": 3, "compile": 12, "compile-max-autotune": 60},
-    "block": {"eager": 4, "triton": 8, "cuda": 4, "compile": 25, "compile-max-autotune": 150},
-    "model": {"eager": 20, "triton": 30, "cuda": 20, "eager-cudagraph": 20, "triton-cudagraph": 30,
-              "compile": 180, "compile-max-autotune": 900},
+    "unit": {"eager": 3, "triton": 5, "cuda": 3, "recompute": 4, "auto": 12, "auto-lean": 12, "compile": 12,
+             "compile-max-autotune": 60},
+    "block": {"eager": 4, "triton": 8, "cuda": 4, "recompute": 5, "auto": 20, "auto-lean": 20, "compile": 25,
+              "compile-max-autotune": 150},
+    "model": {"eager": 20, "triton": 30, "cuda": 20, "recompute": 25, "auto": 90, "auto-lean": 90,
+              "eager-cudagraph": 20, "triton-cudagraph": 30, "compile": 180, "compile-max-autotune": 900},
     "kernel": {"cudnn": 3, "triton": 8, "cuda": 3, "cudnn-fused": 5},
 }
 _TOP = {"device": str, "driver": str, "torch": str, "triton": str, "commit": str, "date": str, "command": str,
@@ -365,8 +370,32 @@ def _enqueue(obj: dict) -> list[tuple[str, list[str], list[tuple]]]:
              "enqueue ≈ wall > device: the host or a synchronization bounds the step)", head, rows)]
 
 
+def _auto(obj: dict) -> list[tuple[str, list[str], list[tuple]]]:
+    """The ``auto`` table (empty without auto entries): per entry of an auto provider, how many fused
+    modules run each backend, where the decisions came from, and the candidates rejected by validation."""
+    rows = []
+    for e in obj["results"]:
+        choices = e.get("auto")
+        if not choices or e["mode"] not in ("fwd+bwd", "step"):
+            continue
+        runs: dict[str, int] = {}
+        sources: dict[str, int] = {}
+        invalid = set()
+        for c in choices:
+            runs[c["runs"]] = runs.get(c["runs"], 0) + 1
+            sources[c["source"]] = sources.get(c["source"], 0) + 1
+            invalid |= {n for n, v in c["candidates"].items() if isinstance(v, str)}
+        rows.append((e["level"], e["name"], str(e.get("dtype")), e["provider"],
+                     " ".join(f"{k}×{v}" for k, v in sorted(runs.items())),
+                     " ".join(f"{k}×{v}" for k, v in sorted(sources.items())), " ".join(sorted(invalid)) or "–"))
+    if not rows:
+        return []
+    return [("auto: backends chosen per fused module (count), where the decisions came from, candidates that "
+             "failed validation", ["level", "name", "dtype", "provider", "runs", "source", "invalid"], rows)]
+
+
 def _extra_tables(obj: dict) -> list[tuple[str, list[str], list[tuple]]]:
-    return kernel_tables(obj["results"]) + _enqueue(obj)
+    return kernel_tables(obj["results"]) + _enqueue(obj) + _auto(obj)
 
 
 def format_table(obj: dict) -> str:

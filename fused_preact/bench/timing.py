@@ -59,14 +59,23 @@ __all__ = [
     "check_backend",
     "LayerHarness",
     "StepHarness",
+    "FUSED_PROVIDERS",
+    "auto_choices",
 ]
 
 #: Device the harnesses allocate on. Only ever "cuda" for results; tests of the harness logic on a
 #: CPU-only machine point it at "cpu" together with a stand-in for CUDA events.
 DEVICE = "cuda"
 
-#: Providers of the unit and block levels, in table order.
-LAYER_PROVIDERS: tuple[str, ...] = ("eager", "compile", "compile-max-autotune", "triton", "cuda")
+#: Providers of the unit and block levels, in table order. ``auto`` / ``auto-lean``: the fused modules
+#: with ``backend="auto"`` and ``memory="fastest"`` / ``"lean"`` (measured and validated per signature
+#: on their first call, :mod:`fused_preact.ops.auto`; that first call is untimed setup).
+LAYER_PROVIDERS: tuple[str, ...] = ("eager", "compile", "compile-max-autotune", "triton", "cuda", "recompute", "auto",
+                                    "auto-lean")
+#: Providers that run fused modules, by the ``backend=`` (and ``memory=``) they build them with.
+FUSED_PROVIDERS: dict[str, tuple[str, str]] = {"triton": ("triton", "fastest"), "cuda": ("cuda", "fastest"),
+                                               "recompute": ("recompute", "fastest"), "auto": ("auto", "fastest"),
+                                               "auto-lean": ("auto", "lean")}
 #: Providers of the model level (the ``*-cudagraph`` ones only for the 32×32 CIFAR nets).
 MODEL_PROVIDERS: tuple[str, ...] = LAYER_PROVIDERS + ("eager-cudagraph", "triton-cudagraph")
 #: ``torch.compile`` mode per compile provider. ``max-autotune-no-cudagraphs`` autotunes exactly as
@@ -289,19 +298,25 @@ def fused_backends(module: nn.Module) -> set:
 def check_backend(module: nn.Module, provider: str) -> str:
     """After at least one forward: make sure ``module`` ran what ``provider`` promises and say what.
 
-    triton / cuda (and ``*-cudagraph`` of them): every fused module's ``last_backend`` is that backend
-    (the fused modules are forced to it, so a fallback would have raised; this catches a module
-    built with the wrong backend or never run). Other providers: no fused module at all.
+    triton / cuda / recompute (and ``*-cudagraph`` of them): every fused module's ``last_backend`` is
+    that backend (the fused modules are forced to it, so a fallback would have raised; this catches a
+    module built with the wrong backend or never run). auto / auto-lean: every fused module ran
+    (whatever its decision; :func:`auto_choices` says what). Other providers: no fused module at all.
 
     Returns:
-        The backend that ran: ``"triton"``, ``"cuda"``, or ``"eager"`` for PyTorch's own ops.
+        The backend that ran: ``"triton"``, ``"cuda"``, ``"recompute"``, ``"auto"`` (the choices per
+        module: :func:`auto_choices`), or ``"eager"`` for PyTorch's own ops.
 
     Raises:
         RuntimeError: the module did not run as the provider promises.
     """
     want = provider.split("-")[0]
     ran = fused_backends(module)
-    if want in ("triton", "cuda"):
+    if want == "auto":
+        if not ran or None in ran:
+            raise RuntimeError(f"provider {provider!r}: fused modules ran {sorted(map(str, ran)) or 'nothing'}")
+        return "auto"
+    if want in ("triton", "cuda", "recompute"):
         if ran != {want}:
             reasons = {getattr(m, "fallback_reason", None) for m in module.modules() if hasattr(m, "fallback_reason")}
             raise RuntimeError(f"provider {provider!r}: fused modules ran {sorted(map(str, ran)) or 'nothing'} "
@@ -310,6 +325,21 @@ def check_backend(module: nn.Module, provider: str) -> str:
     if ran:
         raise RuntimeError(f"provider {provider!r} must run PyTorch's own ops but holds fused modules ({sorted(map(str, ran))})")
     return "eager"
+
+
+def auto_choices(module: nn.Module) -> list[dict]:
+    """For ``auto`` providers: per fused module and signature, the backend ``backend="auto"`` chose,
+    where the choice came from, and each candidate's measured ms (``"invalid: <error>"`` for one that
+    failed validation) — :func:`fused_preact.dispatch.dispatch_report` in the results' JSON."""
+    from fused_preact.dispatch import dispatch_report
+
+    out = []
+    for e in dispatch_report(module):
+        cands = {c["name"]: (c["ms"] if c["valid"] else f"invalid: {c['error']}") for c in e["candidates"]
+                 if not c["refused"]}
+        out.append(dict(module=e["module"], runs=e["runs"], source=e["source"], memory=e["memory"],
+                        reason=e["reason"], candidates=cands))
+    return out
 
 
 def _forward_or_skip(fn: Callable[[], Any], provider: str) -> Any:
@@ -361,9 +391,10 @@ def unit_module(provider: str, u: UnitShape, dtype: torch.dtype) -> nn.Module:
         if reason:
             raise Skip(reason)
     torch.manual_seed(0)
-    fused = FusedBNReLUConv2d(u.C, u.K, (u.R, u.S), u.stride, u.padding, u.dilation, u.groups,
-                              backend=provider if provider in ("triton", "cuda") else "reference")
-    if provider in ("triton", "cuda"):
+    backend, memory = FUSED_PROVIDERS.get(provider, ("reference", "fastest"))
+    fused = FusedBNReLUConv2d(u.C, u.K, (u.R, u.S), u.stride, u.padding, u.dilation, u.groups, backend=backend,
+                              memory=memory)
+    if provider in FUSED_PROVIDERS:
         return _prepare(fused, dtype)
     eager = _prepare(nn.Sequential(OrderedDict(bn=fused.bn, relu=nn.ReLU(), conv=fused.conv)), dtype)
     return eager if provider == "eager" else _compile(eager, provider)
@@ -389,9 +420,10 @@ def block_module(provider: str, b: BlockShape, dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
     bottleneck = b.kind == "bottleneck"
     kw = dict(groups=b.groups, base_width=b.base_width) if bottleneck else {}
-    if provider in ("triton", "cuda"):
+    if provider in FUSED_PROVIDERS:
         cls = FusedPreActBottleneck if bottleneck else FusedPreActBlock
-        return _prepare(cls(b.in_planes, b.planes, b.stride, backend=provider, **kw), dtype)
+        backend, memory = FUSED_PROVIDERS[provider]
+        return _prepare(cls(b.in_planes, b.planes, b.stride, backend=backend, memory=memory, **kw), dtype)
     eager = _prepare((PreActBottleneck if bottleneck else PreActBlock)(b.in_planes, b.planes, b.stride, **kw), dtype)
     return eager if provider == "eager" else _compile(eager, provider)
 
@@ -456,6 +488,8 @@ class LayerHarness:
         extra: dict[str, Any] = {"pool": self.n}
         if self.provider:
             extra["backend"] = check_backend(self.module, self.provider)
+            if extra["backend"] == "auto":
+                extra["auto"] = auto_choices(self.module)
         return Measurement(times, peak_memory(run, setup), extra)
 
 
@@ -488,7 +522,7 @@ class StepHarness:
         if provider.endswith("-cudagraph") and not spec.cifar:
             raise Skip("CUDA-graph capture is benchmarked for the 32×32 CIFAR nets only")
         backend = provider.split("-")[0]
-        fused = backend in ("triton", "cuda")
+        fused = backend in ("triton", "cuda", "recompute", "auto")
         self.provider = provider
         shape = (batch, 3, spec.image_size, spec.image_size)
         if backend == "cuda":
@@ -504,6 +538,10 @@ class StepHarness:
         eager = spec.factory(False, "reference")
         if fused:
             model = spec.factory(True, backend)
+            if provider == "auto-lean":
+                from fused_preact.dispatch import set_memory_policy
+
+                set_memory_policy(model, "lean")
             model.load_state_dict(eager.state_dict())
             del eager
         else:
@@ -573,4 +611,7 @@ class StepHarness:
         if not torch.isfinite(loss).item():
             raise RuntimeError(f"training step produced a non-finite loss ({loss.item()})")
         self.backend = check_backend(self.model, self.provider)
-        return Measurement(times, peak, {"pool": self.n, "backend": self.backend})
+        extra = {"pool": self.n, "backend": self.backend}
+        if self.backend == "auto":
+            extra["auto"] = auto_choices(self.model)
+        return Measurement(times, peak, extra)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import OrderedDict
 from typing import Callable, Optional, Union
 
@@ -195,8 +196,8 @@ def _as_fused_sequential(seq: nn.Sequential, runs: dict[str, tuple[str, ...]], b
     return seq
 
 
-def convert(model: nn.Module, backend: str = "auto", verify: bool = True,
-            report: bool = False) -> Union[nn.Module, tuple[nn.Module, ConversionReport]]:
+def convert(model: nn.Module, backend: str = "auto", verify: bool = True, report: bool = False,
+            memory: str = "fastest") -> Union[nn.Module, tuple[nn.Module, ConversionReport]]:
     """Replace, in place, every recognized BatchNorm → ReLU → Conv structure of ``model`` with fused modules.
 
     Recognized: timm ``resnetv2`` pre-activation blocks (``PreActBasic``, ``PreActBottleneck`` with
@@ -220,15 +221,22 @@ def convert(model: nn.Module, backend: str = "auto", verify: bool = True,
             ``False`` a block's shortcut is assumed to be read the usual way (projection on the
             pre-activation, identity on raw x), which silently miscomputes a block written otherwise.
         report: also return the :class:`ConversionReport`.
+        memory: ``backend="auto"``'s policy: ``"fastest"`` (the default of new fused modules) or ``"lean"``
+            (the fastest of the backends that keep only the BN inputs for backward, set on every fused
+            module of the model; :mod:`fused_preact.ops.auto`).
 
     Returns:
         The converted model, or ``(model, report)`` when ``report=True``. The report is always
         logged at INFO level on the ``"fused_preact"`` logger.
 
     Raises:
-        ValueError: unknown ``backend``.
+        ValueError: unknown ``backend`` or ``memory``.
         TypeError: ``model`` is not an ``nn.Module``.
     """
+    from fused_preact.dispatch import set_memory_policy
+    from fused_preact.ops.auto import check_memory
+
+    check_memory(memory)
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"fused_preact: unknown backend {backend!r}; expected 'auto' or one of {list(BACKENDS)}")
     if not isinstance(model, nn.Module):
@@ -239,5 +247,8 @@ def convert(model: nn.Module, backend: str = "auto", verify: bool = True,
     fused = next((m for m in out.modules() if hasattr(m, "_plans") and hasattr(m, "backend")), None)
     if fused is not None:
         converter.report.path = backend_path(fused)
+    if memory != "fastest":  # the default leaves modules fused before (and their policy) alone
+        set_memory_policy(out, memory)
+    converter.report.model = weakref.ref(out)
     logger.info("%s", converter.report)
     return (out, converter.report) if report else out

@@ -7,12 +7,15 @@ backend is a class declaring the dtypes, minimum compute capability and channel 
 ``"auto"`` walks :data:`PRIORITY` and takes the first backend with no reasons, carrying the reasons of
 those it skipped (a fallback is never silent). Fused backends build a :class:`Plan` per input
 signature (quack's ``backends/protocol.py`` pattern): everything decided once, then launches.
+:func:`fused_preact.ops.run.run_chain` runs a chain on the chosen backend.
 
     ``TritonBackend``     the fused Triton kernels: CUDA tensors on compute capability ≥ 8.0, or CPU
                           tensors when Triton's interpreter is active (``TRITON_INTERPRET=1`` before
                           fused_preact's kernels are first imported)
     ``CudaBackend``       the CUDA C++ extension ``fused_preact._C`` (CUTLASS; opt-in until a GPU run
                           has verified it)
+    ``RecomputeBackend``  cuDNN's convolutions with BN+ReLU recomputed around them (memory of the fused
+                          path, no custom GEMM): CUDA and CPU tensors
     ``ReferenceBackend``  plain PyTorch: any device and dtype PyTorch serves
 """
 
@@ -21,19 +24,25 @@ from __future__ import annotations
 from typing import ClassVar, NamedTuple, Optional, Protocol
 
 import torch
-import torch.nn.functional as F
 
-from fused_preact.ops import library
-from fused_preact.ops._common import compute_dtype, triton_mode
-from fused_preact.ops.chain import ChainFunction, ChainResult, differentiable_slots, reference_chain
+from fused_preact.ops._common import triton_mode
 from fused_preact.ops.cuda import ext as cuda_ext
 from fused_preact.ops.cuda.plan import CudaPlan
-from fused_preact.ops.spec import (BATCH, EXTERNAL, BNMode, ChainForward, ChainGrads, ChainSpec, ChainTensors, GradNeeds,
-                                   SavedChain, StatsHandoff, chain_shapes, validate_chain)
+from fused_preact.ops.recompute.plan import RecomputePlan
+from fused_preact.ops.spec import (
+    BNMode,
+    ChainForward,
+    ChainGrads,
+    ChainSpec,
+    ChainTensors,
+    GradNeeds,
+    SavedChain,
+    chain_shapes,
+)
 from fused_preact.ops.triton.plan import TritonPlan
 
-__all__ = ["Plan", "Backend", "TritonBackend", "CudaBackend", "ReferenceBackend", "BACKENDS", "PRIORITY",
-           "BackendChoice", "select_backend", "PlanCache", "run_chain"]
+__all__ = ["Plan", "Backend", "TritonBackend", "CudaBackend", "RecomputeBackend", "ReferenceBackend", "BACKENDS",
+           "PRIORITY", "BackendChoice", "select_backend", "PlanCache"]
 
 
 class Plan(Protocol):
@@ -186,10 +195,44 @@ class CudaBackend(Backend):
         return CudaPlan(spec, modes, x.shape, x.dtype, cdtype, residual_dtype)
 
 
-BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (CudaBackend, TritonBackend, ReferenceBackend)}
+class RecomputeBackend(Backend):
+    """cuDNN's convolutions with BatchNorm+ReLU recomputed from the saved BN input
+    (:mod:`fused_preact.ops.recompute`): saves what the fused kernels save, runs no custom GEMM. Its
+    elementwise steps are Triton kernels on CUDA and on CPU under Triton's interpreter, ATen ops
+    elsewhere (``runtime_mode``)."""
 
-#: Order in which ``backend="auto"`` tries backends. ``cuda`` is opt-in (``backend="cuda"``) until its
-#: kernels have passed the test suite and the benchmark on a GPU.
+    name = "recompute"
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+
+    @classmethod
+    def runtime_mode(cls):
+        """Where the elementwise steps are Triton kernels and where ATen ops: ``"triton on CUDA, aten on
+        CPU"`` (compiled Triton), ``"interpreter on CPU, aten on CUDA"`` (Triton's interpreter), or
+        ``"aten"`` (no triton)."""
+        return {"compiled": "triton on CUDA, aten on CPU",
+                "interpreter": "interpreter on CPU, aten on CUDA"}.get(triton_mode(), "aten")
+
+    @classmethod
+    def not_supported_reasons(cls, x, spec=None, dtype=None):
+        reasons = super().not_supported_reasons(x, spec, dtype)
+        if x.device.type not in ("cpu", "cuda"):
+            reasons.append(f"recompute: device type {x.device.type!r} not supported")
+        return reasons
+
+    @classmethod
+    def make_plan(cls, spec, modes, x, cdtype, in_stats, out_stats, residual_dtype):
+        return RecomputePlan(spec, modes, x.shape, x.stride(), x.dtype, x.device, cdtype, in_stats, residual_dtype)
+
+
+BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (CudaBackend, TritonBackend, RecomputeBackend,
+                                                          ReferenceBackend)}
+
+#: Order in which ``backend="auto"`` tries backends where it does not measure (see
+#: :mod:`fused_preact.ops.auto`): the fused kernels, then plain PyTorch. ``recompute`` is not in it: it
+#: wins only by measurement (or as the lean choice, :data:`fused_preact.ops.auto.LEAN_PRIORITY`), since
+#: where triton refuses it costs an extra elementwise pass per unit over the reference path for a memory
+#: saving nobody asked for. ``cuda`` is opt-in (``backend="cuda"``) until its kernels have passed the
+#: test suite and the benchmark on a GPU (a measured ``auto`` validates it before it may win).
 PRIORITY: tuple[str, ...] = ("triton", "reference")
 
 
@@ -203,6 +246,10 @@ class BackendChoice(NamedTuple):
 
     backend: type[Backend]
     skipped: tuple[str, ...] = ()
+    #: for ``backend="auto"``: the :class:`fused_preact.ops.auto.Decision` behind the choice (candidates,
+    #: times, validation errors, where it came from), or None where nothing was decided beyond the
+    #: static priority
+    decision: Optional[object] = None
 
     @property
     def name(self) -> str:
@@ -248,115 +295,3 @@ class PlanCache(dict):
 
     def __reduce__(self):
         return (PlanCache, ())
-
-
-# ----------------------------------------------------------------------------------- running
-def _sig(v) -> Optional[tuple]:
-    return None if v is None else (v.dtype, v.device, v.shape, v.stride())
-
-
-def _signature(requested: str, spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes, cd, out_stats) -> tuple:
-    """Everything a cached decision, validation and plan derive from: the chain, the BN modes and eps,
-    the layout, dtype and device of x and of every tensor of the call, the compute dtype."""
-    per_unit = tuple((_sig(t.weights[i]), _sig(t.biases[i]), _sig(t.gammas[i]), _sig(t.betas[i]),
-                      _sig(t.running_means[i]), _sig(t.running_vars[i]), _sig(t.num_batches[i]), t.eps[i])
-                     for i in range(len(t.weights)))
-    extra = (_sig(t.proj_weight), _sig(t.residual), _sig(t.ext_mean), _sig(t.ext_invstd),
-             None if t.in_stats is None else _sig(t.in_stats.part))
-    return (requested, spec, modes, x.shape, x.stride(), x.dtype, x.device, cd, out_stats, per_unit, extra)
-
-
-def _check_like_eager(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BNMode, ...],
-                      cd: torch.dtype) -> None:
-    """Raise what eager ``F.batch_norm`` raises for each unit's arguments (eps rules, dtype mixing as the
-    device allows it, …) by calling it on a 2-value-per-channel stand-in of the unit's input, with copies
-    of the running buffers (nothing of the caller's changes). O(C) work, once per input signature."""
-    shapes = chain_shapes(spec, x.shape)
-    for i, mode in enumerate(modes):
-        if mode.kind == EXTERNAL:  # statistics given from outside (synchronized BN checks its own)
-            continue
-        C = shapes[i][1]
-        if i == 0 and x.numel() > 0:
-            src = x.detach()[:1, :, :1, :1]
-        else:
-            src = torch.zeros(1, C, 1, 1, device=x.device, dtype=x.dtype if i == 0 else cd)
-        rm, rv = t.running_means[i], t.running_vars[i]
-        training = mode.kind == BATCH
-        F.batch_norm(src.expand(2, C, 1, 1), rm.clone() if rm is not None else None,
-                     rv.clone() if rv is not None else None, t.gammas[i], t.betas[i], training,
-                     0.0 if t.momenta[i] is None else t.momenta[i], t.eps[i])
-
-
-def _vector_reasons(t: ChainTensors) -> list[str]:
-    """Per-channel vectors the fused kernels cannot address (they read ``ptr + c``)."""
-    bad = []
-    for i in range(len(t.weights)):
-        for name in ("gammas", "betas", "running_means", "running_vars"):
-            v = getattr(t, name)[i]
-            if v is not None and not v.is_contiguous():
-                bad.append(f"{name[:-1]} of unit {i}")
-    return [f"fused kernels: non-contiguous per-channel vector ({', '.join(bad)})"] if bad else []
-
-
-_EMPTY = BackendChoice(ReferenceBackend, ("empty batch (N = 0): plain PyTorch, as nn.BatchNorm2d/nn.Conv2d",))
-_META = BackendChoice(ReferenceBackend, ("meta tensors: shapes only (plain PyTorch's meta kernels)",))
-
-
-def run_chain(requested: str, cache: PlanCache, spec: ChainSpec, x: torch.Tensor, t: ChainTensors,
-              modes: tuple[BNMode, ...], out_stats: bool = False) -> tuple[ChainResult, BackendChoice]:
-    """Run a chain with the backend ``requested`` (``"auto"`` or a name in :data:`BACKENDS`).
-
-    The call's signature (:func:`_signature`: chain, BN modes and eps, x's shape/strides/dtype/device,
-    the compute dtype, and dtype/device/shape/strides of every weight, BN vector and buffer) keys
-    ``cache``: on a miss the inputs are validated (:func:`validate_chain` and eager ``F.batch_norm``'s
-    own checks), the backend chosen and its plan built; a hit has met all of that with tensors of the
-    same signature. An empty batch (N = 0) and meta tensors run the reference path, as PyTorch.
-
-    Returns:
-        ``(result, choice)``: the :class:`ChainResult` and the :class:`BackendChoice` that ran.
-
-    Raises:
-        ValueError / RuntimeError: invalid inputs, with eager PyTorch's types and messages; a forced
-            backend that cannot serve them; an unknown backend name.
-    """
-    cd = compute_dtype(x)
-    key = _signature(requested, spec, x, t, modes, cd, out_stats)
-    entry = cache.get(key)
-    if entry is None:
-        validate_chain(spec, x, t, modes)
-        if x.device.type != "meta" and not torch.compiler.is_compiling():
-            _check_like_eager(spec, x, t, modes, cd)
-        if x.device.type == "meta":
-            choice = _META
-        else:
-            choice = select_backend(requested, x, spec, cd)
-        vector_reasons = _vector_reasons(t) if choice.backend.fused else []
-        if vector_reasons:
-            if requested != "auto":
-                raise RuntimeError(f"fused_preact: backend={requested!r} cannot serve this input: "
-                                   + "; ".join(vector_reasons))
-            choice = BackendChoice(ReferenceBackend, choice.skipped + tuple(vector_reasons))
-        plan = None
-        if x.shape[0] == 0 and choice.backend.fused:
-            choice = _EMPTY
-        elif choice.backend.fused:
-            in_stats = t.in_stats is not None and modes[0].kind == BATCH
-            rd = t.residual.dtype if t.residual is not None else None
-            plan = choice.backend.make_plan(spec, modes, x, cd, in_stats, out_stats, rd)
-        entry = (choice, plan)
-        if not torch.compiler.is_compiling():  # a traced call leaves no Python state behind (Dynamo
-            cache[key] = entry                 # would have to rebuild the frozen spec in the key)
-    choice, plan = entry
-    if plan is None:
-        return reference_chain(spec, x, t, modes), choice
-    if torch.compiler.is_compiling():
-        return library.compiled_chain(choice.name, spec, x, t, modes, plan), choice
-    flat = differentiable_slots(t)
-    if torch.is_grad_enabled() and (x.requires_grad or any(f is not None and f.requires_grad for f in flat)):
-        outs = ChainFunction.apply(plan, t, x, *flat)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        proj_out = outs[1] if spec.proj is not None and spec.proj_out == "return" else None
-        stats = StatsHandoff(outs[-1], *plan.handoff_geometry()) if plan.out_stats else None
-        return ChainResult(outs[0], proj_out, stats), choice
-    fwd = plan.forward(x, t)
-    return ChainResult(fwd.out, fwd.proj_out, fwd.stats), choice

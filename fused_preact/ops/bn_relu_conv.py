@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from fused_preact.ops._common import IntOr2
-from fused_preact.ops.backends import PlanCache, run_chain
+from fused_preact.ops.backends import PlanCache
+from fused_preact.ops.run import run_chain
 from fused_preact.ops.spec import BATCH, RUNNING, BNMode, ChainSpec, ChainTensors, ConvGeom
 
 __all__ = ["bn_relu_conv2d", "bn_relu_conv2d_reference"]
@@ -58,8 +59,10 @@ def bn_relu_conv2d(
         running_mean, running_var, bn_weight, bn_bias, training, momentum, eps: as ``F.batch_norm``
             (running buffers are updated in place in training; ``momentum`` is the average factor).
         stride, padding, dilation, groups: as ``F.conv2d`` (padding as int or pair of ints).
-        backend: ``"auto"`` (first of ``fused_preact.ops.backends.PRIORITY`` that can serve x),
-            ``"triton"``, ``"cuda"`` (CUDA extension, opt-in) or ``"reference"`` (plain PyTorch).
+        backend: ``"auto"`` (measured and validated per signature on CUDA, :mod:`fused_preact.ops.auto`;
+            elsewhere the first of ``fused_preact.ops.backends.PRIORITY`` that can serve x), ``"triton"``,
+            ``"cuda"`` (CUDA extension, opt-in), ``"recompute"`` (cuDNN convolutions, BN+ReLU recomputed)
+            or ``"reference"`` (plain PyTorch).
 
     Returns:
         (N, K, P, Q) tensor of the compute dtype (x's, or the autocast dtype under autocast).

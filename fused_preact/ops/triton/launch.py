@@ -195,8 +195,11 @@ def wgrad(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmConfig, s
         return
     chunk = triton.cdiv(triton.cdiv(M, split), cfg.BLOCK_K) * cfg.BLOCK_K
     grid = (n_wg + n_red,)
-    args = (dy, *dy_strides, x, *in_strides, pack, dw, *dw_strides, psum, num_parts, dbeta, dgamma, coef,
-            inv_count, M, chunk, n_wg)
+    # Without dw no program runs the wgrad tiles, but they are compiled: their store needs a pointer type
+    # (a None dw_ptr fails to compile for a GPU; the interpreter never reaches it). psum is fp32, as the
+    # split-K partials are.
+    args = (dy, *dy_strides, x, *in_strides, pack, dw if dw is not None else psum, *dw_strides, psum, num_parts,
+            dbeta, dgamma, coef, inv_count, M, chunk, n_wg)
     kw = dict(**_geo(g, in_shape, out_shape), SPLIT_K=split > 1, SUM_MODE=sum_mode, HAS_GAMMA=dgamma is not None,
               **_dot(cdtype, idx64), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_R=cfg.BLOCK_K,
               BLOCK_C=block_c if fold else 16, BLOCK_P=_block_p(num_parts) if fold else 16,

@@ -45,10 +45,10 @@ def tuning_enabled() -> bool:
     return os.environ.get("FUSED_PREACT_AUTOTUNE", "1") != "0" and not interpreting()
 
 
-def default_cache_path(device_name: str, triton_version: str) -> str:
-    """``<XDG cache>/fused_preact/autotune-<device>-triton<version>.json`` (names made file-safe)."""
+def default_cache_path(device_name: str, triton_version: str, prefix: str = "autotune") -> str:
+    """``<XDG cache>/fused_preact/<prefix>-<device>-triton<version>.json`` (names made file-safe)."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"autotune-{device_name}-triton{triton_version}")
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{prefix}-{device_name}-triton{triton_version}")
     return os.path.join(root, "fused_preact", safe + ".json")
 
 

@@ -1,0 +1,153 @@
+"""Running a chain: the per-signature cache of decisions and plans, the checks a call meets before
+anything runs, and the hand-off to the autograd node, the compiled custom op or the reference.
+
+:func:`run_chain` is the op layer's one entry point (modules and the functional API call it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from fused_preact.ops import auto as _auto
+from fused_preact.ops import library
+from fused_preact.ops._common import compute_dtype
+from fused_preact.ops.backends import BackendChoice, PlanCache, ReferenceBackend, select_backend
+from fused_preact.ops.chain import ChainFunction, ChainResult, differentiable_slots, reference_chain
+from fused_preact.ops.spec import (
+    BATCH,
+    EXTERNAL,
+    BNMode,
+    ChainSpec,
+    ChainTensors,
+    StatsHandoff,
+    chain_shapes,
+    validate_chain,
+)
+
+__all__ = ["run_chain"]
+
+
+def _sig(v) -> Optional[tuple]:
+    return None if v is None else (v.dtype, v.device, v.shape, v.stride())
+
+
+def _signature(requested: str, spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes, cd, out_stats) -> tuple:
+    """Everything a cached decision, validation and plan derive from: the chain, the BN modes and eps,
+    the layout, dtype and device of x and of every tensor of the call, the compute dtype."""
+    per_unit = tuple((_sig(t.weights[i]), _sig(t.biases[i]), _sig(t.gammas[i]), _sig(t.betas[i]),
+                      _sig(t.running_means[i]), _sig(t.running_vars[i]), _sig(t.num_batches[i]), t.eps[i])
+                     for i in range(len(t.weights)))
+    extra = (_sig(t.proj_weight), _sig(t.residual), _sig(t.ext_mean), _sig(t.ext_invstd),
+             None if t.in_stats is None else _sig(t.in_stats.part))
+    return (requested, spec, modes, x.shape, x.stride(), x.dtype, x.device, cd, out_stats, per_unit, extra)
+
+
+def _check_like_eager(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BNMode, ...],
+                      cd: torch.dtype) -> None:
+    """Raise what eager ``F.batch_norm`` raises for each unit's arguments (eps rules, dtype mixing as the
+    device allows it, …) by calling it on a 2-value-per-channel stand-in of the unit's input, with copies
+    of the running buffers (nothing of the caller's changes). O(C) work, once per input signature."""
+    shapes = chain_shapes(spec, x.shape)
+    for i, mode in enumerate(modes):
+        if mode.kind == EXTERNAL:  # statistics given from outside (synchronized BN checks its own)
+            continue
+        C = shapes[i][1]
+        if i == 0 and x.numel() > 0:
+            src = x.detach()[:1, :, :1, :1]
+        else:
+            src = torch.zeros(1, C, 1, 1, device=x.device, dtype=x.dtype if i == 0 else cd)
+        rm, rv = t.running_means[i], t.running_vars[i]
+        training = mode.kind == BATCH
+        F.batch_norm(src.expand(2, C, 1, 1), rm.clone() if rm is not None else None,
+                     rv.clone() if rv is not None else None, t.gammas[i], t.betas[i], training,
+                     0.0 if t.momenta[i] is None else t.momenta[i], t.eps[i])
+
+
+def _vector_reasons(t: ChainTensors) -> list[str]:
+    """Per-channel vectors the fused kernels cannot address (they read ``ptr + c``)."""
+    bad = []
+    for i in range(len(t.weights)):
+        for name in ("gammas", "betas", "running_means", "running_vars"):
+            v = getattr(t, name)[i]
+            if v is not None and not v.is_contiguous():
+                bad.append(f"{name[:-1]} of unit {i}")
+    return [f"fused kernels: non-contiguous per-channel vector ({', '.join(bad)})"] if bad else []
+
+
+_EMPTY = BackendChoice(ReferenceBackend, ("empty batch (N = 0): plain PyTorch, as nn.BatchNorm2d/nn.Conv2d",))
+_META = BackendChoice(ReferenceBackend, ("meta tensors: shapes only (plain PyTorch's meta kernels)",))
+
+
+def run_chain(requested: str, cache: PlanCache, spec: ChainSpec, x: torch.Tensor, t: ChainTensors,
+              modes: tuple[BNMode, ...], out_stats: bool = False,
+              memory: str = "fastest") -> tuple[ChainResult, BackendChoice]:
+    """Run a chain with the backend ``requested`` (``"auto"`` or a name in :data:`BACKENDS`).
+
+    The call's signature (:func:`_signature`: chain, BN modes and eps, x's shape/strides/dtype/device,
+    the compute dtype, and dtype/device/shape/strides of every weight, BN vector and buffer) keys
+    ``cache``: on a miss the inputs are validated (:func:`validate_chain` and eager ``F.batch_norm``'s
+    own checks), the backend chosen and its plan built; a hit has met all of that with tensors of the
+    same signature. An empty batch (N = 0) and meta tensors run the reference path, as PyTorch.
+    For ``"auto"`` the choice on a miss is :func:`fused_preact.ops.auto.decide`'s (measured and
+    validated on CUDA, under the ``memory`` policy ``"fastest"`` or ``"lean"``).
+
+    Returns:
+        ``(result, choice)``: the :class:`ChainResult` and the :class:`BackendChoice` that ran.
+
+    Raises:
+        ValueError / RuntimeError: invalid inputs, with eager PyTorch's types and messages; a forced
+            backend that cannot serve them; an unknown backend name.
+    """
+    cd = compute_dtype(x)
+    key = _signature(requested if memory == "fastest" else (requested, memory), spec, x, t, modes, cd, out_stats)
+    entry = cache.get(key)
+    if entry is None:
+        validate_chain(spec, x, t, modes)
+        if x.device.type != "meta" and not torch.compiler.is_compiling():
+            _check_like_eager(spec, x, t, modes, cd)
+        if x.device.type == "meta":
+            choice = _META
+        else:
+            choice = select_backend(requested, x, spec, cd)
+        vector_reasons = _vector_reasons(t) if choice.backend.fused else []
+        if vector_reasons:
+            if requested != "auto":
+                raise RuntimeError(f"fused_preact: backend={requested!r} cannot serve this input: "
+                                   + "; ".join(vector_reasons))
+            choice = BackendChoice(ReferenceBackend, choice.skipped + tuple(vector_reasons))
+        plan = None
+        if x.shape[0] == 0 and choice.backend.fused:
+            choice = _EMPTY
+        elif requested == "auto" and not vector_reasons and x.device.type != "meta" and x.shape[0] > 0:
+            choice, plan = _auto.decide(choice, key, spec, x, t, modes, cd, out_stats, memory)
+        if plan is None and choice.backend.fused:
+            in_stats = t.in_stats is not None and modes[0].kind == BATCH
+            rd = t.residual.dtype if t.residual is not None else None
+            plan = choice.backend.make_plan(spec, modes, x, cd, in_stats, out_stats, rd)
+        entry = (choice, plan)
+        if not torch.compiler.is_compiling():  # a traced call leaves no Python state behind (Dynamo
+            cache[key] = entry                 # would have to rebuild the frozen spec in the key)
+    choice, plan = entry
+    if plan is None:
+        return reference_chain(spec, x, t, modes), choice
+    if torch.compiler.is_compiling():
+        if requested == "auto" and choice.name != "triton":  # a decision of a backend that does not trace
+            choice, plan = _auto.traceable(choice, spec, x, t, modes, cd)
+            if plan is None:
+                return reference_chain(spec, x, t, modes), choice
+        return library.compiled_chain(choice.name, spec, x, t, modes, plan), choice
+    flat = differentiable_slots(t)
+    if torch.is_grad_enabled() and (x.requires_grad or any(f is not None and f.requires_grad for f in flat)):
+        outs = ChainFunction.apply(plan, t, x, *flat)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        proj_out = outs[1] if spec.proj is not None and spec.proj_out == "return" else None
+        stats = StatsHandoff(outs[-1], *plan.handoff_geometry()) if plan.out_stats else None
+        return ChainResult(outs[0], proj_out, stats), choice
+    fwd = plan.forward(x, t)
+    return ChainResult(fwd.out, fwd.proj_out, fwd.stats), choice
+
+
+# The measured dispatch builds on everything above (and imports it): bound last, used at call time only.
