@@ -28,9 +28,21 @@ import pytest
 import torch
 
 from fused_preact.bench import timing as BT
-from fused_preact.bench.shapes import (MODEL_SPECS, MODES, achieved, block_flops, block_min_bytes, enumerate_blocks,
-                                       enumerate_units, floor_ms, pct_of_floor, quick_blocks, quick_units, unit_flops,
-                                       unit_min_bytes)
+from fused_preact.bench.shapes import (
+    MODEL_SPECS,
+    MODES,
+    achieved,
+    block_flops,
+    block_min_bytes,
+    enumerate_blocks,
+    enumerate_units,
+    floor_ms,
+    pct_of_floor,
+    quick_blocks,
+    quick_units,
+    unit_flops,
+    unit_min_bytes,
+)
 
 QUICK = os.environ.get("FUSED_PREACT_BENCH", "full") == "quick"
 BATCH = int(os.environ.get("FUSED_PREACT_BENCH_BATCH", "128"))

@@ -7,7 +7,6 @@ PreActResNet-164 (32²), batch 128, bf16, channels_last; modes fwd, bwd, fwd+bwd
 """
 
 import pytest
-
 from bench_support import block_cases, run_layer
 
 

@@ -12,8 +12,8 @@ two shapes).
 """
 
 import pytest
-
 from bench_support import BATCH, DTYPE, MODELS, QUICK, _pedantic
+
 from fused_preact.bench.kernels import KERNEL_MODES, KERNEL_PROVIDERS, kernel_flops, quick_kernel_units
 from fused_preact.bench.shapes import enumerate_units
 

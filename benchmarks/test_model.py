@@ -7,7 +7,6 @@ in a CUDA graph (eager-cudagraph, triton-cudagraph). ``extra_info`` records the 
 """
 
 import pytest
-
 from bench_support import model_cases, run_model
 
 

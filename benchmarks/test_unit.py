@@ -6,7 +6,6 @@ compile-max-autotune, triton, cuda (skipped with the dispatcher's reason where n
 """
 
 import pytest
-
 from bench_support import run_layer, unit_cases
 
 

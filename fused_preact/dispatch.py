@@ -20,8 +20,18 @@ import torch.nn as nn
 
 from fused_preact.ops._common import triton_mode
 from fused_preact.ops.auto import check_memory
-from fused_preact.ops.backends import (BACKENDS, PRIORITY, Backend, BackendChoice, CudaBackend, PlanCache,
-                                       RecomputeBackend, ReferenceBackend, TritonBackend, select_backend)
+from fused_preact.ops.backends import (
+    BACKENDS,
+    PRIORITY,
+    Backend,
+    BackendChoice,
+    CudaBackend,
+    PlanCache,
+    RecomputeBackend,
+    ReferenceBackend,
+    TritonBackend,
+    select_backend,
+)
 
 __all__ = ["Backend", "BackendChoice", "BACKENDS", "PRIORITY", "TritonBackend", "CudaBackend", "RecomputeBackend",
            "ReferenceBackend", "backends", "select_backend", "triton_mode", "dispatch_report", "DispatchReport",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 import torch
-
 from conftest import DEVICE
+
 from fused_preact.ops.validate import EAGER_FLOOR, EAGER_RATIO, ErrorPool, rule_violations
 
 #: The backends that replace eager BN → ReLU → Conv with their own kernels or recomputation: every

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
-
 from conftest import DEVICE
+from helpers import assert_close
+
 from fused_preact import FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottleneck, dispatch_report
 from fused_preact.dispatch import set_memory_policy
 from fused_preact.models import PreActBlock
@@ -33,7 +34,6 @@ from fused_preact.ops import auto
 from fused_preact.ops.backends import BACKENDS, RecomputeBackend
 from fused_preact.ops.recompute.plan import RecomputePlan
 from fused_preact.ops.validate import EAGER_FLOOR, rule_violations
-from helpers import assert_close
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMES = {"triton": 3.0, "recompute": 2.0, "reference": 2.5, "cuda": 1.0, "wrong": 0.5}

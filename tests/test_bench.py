@@ -17,14 +17,23 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-
 from helpers import HostEvent
 
 from fused_preact.bench import run as bench
 from fused_preact.bench import timing as BT
-from fused_preact.bench.shapes import (UnitShape, block_flops, block_min_bytes, dtype_from_name, enumerate_blocks,
-                                       enumerate_units, floor_ms, pct_of_floor, quick_units, unit_flops,
-                                       unit_min_bytes)
+from fused_preact.bench.shapes import (
+    UnitShape,
+    block_flops,
+    block_min_bytes,
+    dtype_from_name,
+    enumerate_blocks,
+    enumerate_units,
+    floor_ms,
+    pct_of_floor,
+    quick_units,
+    unit_flops,
+    unit_min_bytes,
+)
 
 R50_3X3 = UnitShape("preact_resnet50", "preact_resnet50/layer1.0/conv2", 128, 64, 56, 56, 64, 3, 3, (1, 1), (1, 1))
 
@@ -357,8 +366,8 @@ def test_recompute_and_auto_providers_record_what_ran(host_harness, monkeypatch)
     """recompute runs the recompute backend; auto / auto-lean run backend="auto" (measured here on the
     CPU with an injected timer) and their measurements carry each fused module's choice, its source and
     the candidates' times, which the report's auto table summarizes."""
-    from fused_preact.ops import auto
     from fused_preact.bench.shapes import BlockShape
+    from fused_preact.ops import auto
 
     monkeypatch.setenv("FUSED_PREACT_DISPATCH", "measure")
     monkeypatch.setenv("FUSED_PREACT_DISPATCH_CACHE", "none")

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from helpers import HostEvent
 
 from fused_preact.bench import kernels as K

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import DEVICE
-from fused_preact import FusedBNReLUConv2d, FusedPreActBlock
 from helpers import assert_close
+
+from fused_preact import FusedBNReLUConv2d, FusedPreActBlock
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from conftest import DEVICE, HAS_CUDA
-from fused_preact.conversion import ConversionReport, ConvertedPreActBlock, FusedSequential, convert
 from helpers import TOL, ErrorPool, assert_close, assert_within_eager
+
+from fused_preact.conversion import ConversionReport, ConvertedPreActBlock, FusedSequential, convert
 
 STUBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stubs")
 #: the backend the fused modules run by default here: the kernels on CUDA or in the interpreter

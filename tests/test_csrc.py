@@ -17,7 +17,6 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import assert_close, randn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -415,7 +414,7 @@ def test_sm90_fprop_scale_table_limit(channels):
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_dgrad_stats_returns_dz_in_the_input_dtype(training):
     """cuda_dgrad_stats hands dz (training) or dx (eval) back in x's dtype on both kernel generations."""
-    cu = _require_gpu_backend()
+    _require_gpu_backend()
     x, w, b, gamma, beta, rm, rv, (st, pd, dl) = _problem((2, 16, 8, 8, 16, 3, 3, 1, 1, 1), torch.bfloat16, True)
     v = torch.ones(16, device="cuda")
     dy = randn(2, 16, 8, 8, dtype=torch.bfloat16, device="cuda", channels_last=True)

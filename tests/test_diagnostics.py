@@ -15,9 +15,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fused_preact.experiments.gradient_flow import METRICS, gradient_flow, main, parse_args, plot_gradient_flow, residual_blocks
-from fused_preact.models import preact_resnet18, preact_resnet_cifar
+from fused_preact.experiments.gradient_flow import (
+    METRICS,
+    gradient_flow,
+    main,
+    parse_args,
+    plot_gradient_flow,
+    residual_blocks,
+)
 from fused_preact.experiments.variants import preact_resnet_cifar_variant
+from fused_preact.models import preact_resnet18, preact_resnet_cifar
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -20,12 +20,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from conftest import DEVICE
+from helpers import assert_close
+
 from fused_preact import FusedBNReLUConv2d, FusedPreActBlock
 from fused_preact.models import PreActBlock
 from fused_preact.ops import bn_relu_conv2d
-from helpers import assert_close
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

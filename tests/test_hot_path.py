@@ -13,10 +13,10 @@ import collections
 import pytest
 import torch
 import torch.nn as nn
+from conftest import DEVICE
 from torch.profiler import ProfilerActivity, profile
 
 import fused_preact.ops.triton.plan as triton_plans
-from conftest import DEVICE
 from fused_preact import FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottleneck
 from fused_preact.models import PreActBlock, PreActBottleneck
 
@@ -142,8 +142,9 @@ def _project_frames_at_first_launch(step, monkeypatch) -> list[str]:
     import inspect
     import os
 
-    import fused_preact
     from triton.runtime.interpreter import InterpretedFunction
+
+    import fused_preact
 
     root = os.path.dirname(fused_preact.__file__)
     seen: list = []

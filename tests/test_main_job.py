@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import DEVICE
+
 from fused_preact.experiments.main_job import main, soak_passes
 
 pytest.importorskip("sklearn")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import DEVICE
+from helpers import FUSED_BACKENDS, assert_close
+
 from fused_preact import FusedPreActBlock, FusedPreActBottleneck
 from fused_preact.models import (
     PreActBlock,
@@ -18,7 +19,6 @@ from fused_preact.models import (
     preact_resnet1001,
     preact_resnet_cifar,
 )
-from helpers import FUSED_BACKENDS, assert_close
 
 
 def _params(m):

@@ -8,14 +8,14 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-
 from conftest import DEVICE, HAS_CUDA
+from helpers import FUSED_BACKENDS, TOL, assert_close, rel_err
+from test_modules import _compare, _randomize_bn
+
 from fused_preact import FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottleneck
 from fused_preact.models import PreActBlock, PreActBottleneck, preact_resnext50_32x4d
 from fused_preact.modules import bottleneck_width
 from fused_preact.ops._common import input_precision
-from helpers import FUSED_BACKENDS, TOL, assert_close, rel_err
-from test_modules import _compare, _randomize_bn
 
 AUTOCAST_DTYPES = [torch.float16, torch.bfloat16] if HAS_CUDA else [torch.bfloat16]
 

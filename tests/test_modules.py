@@ -11,12 +11,12 @@ import textwrap
 import pytest
 import torch
 import torch.nn as nn
-
 from conftest import DEVICE
+from helpers import FUSED_BACKENDS, assert_close, rel_err
+
 from fused_preact import FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottleneck
 from fused_preact.dispatch import BACKENDS, select_backend
 from fused_preact.models import PreActBlock, PreActBottleneck
-from helpers import FUSED_BACKENDS, assert_close, rel_err
 
 
 def _randomize_bn(model: nn.Module, seed: int = 0) -> None:
@@ -288,8 +288,8 @@ def test_groups_not_dividing_channels_raises_and_leaves_buffers():
 def test_backend_is_chosen_for_the_autocast_dtype(monkeypatch):
     """Under autocast the backend sees the dtype the convolution runs in, not the fp32 parameters':
     a 16-bit-only backend is chosen for an fp32 module under bf16 autocast and refused without it."""
-    from fused_preact.ops.cuda import ext as _cuda
     from fused_preact.ops.backends import CudaBackend
+    from fused_preact.ops.cuda import ext as _cuda
 
     monkeypatch.setattr(_cuda, "available", lambda: True)
     monkeypatch.setattr(_cuda, "not_supported_reasons", lambda *a, **k: [])

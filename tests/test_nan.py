@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import DEVICE
+from helpers import FUSED_BACKENDS
+
 from fused_preact import FusedBNReLUConv2d, FusedPreActBlock
 from fused_preact.models import PreActBlock
-from helpers import FUSED_BACKENDS
 
 
 def _pattern(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import fused_preact.ops.triton.plan as triton_plans
-import fused_preact.ops.bn_relu_conv as op_mod
 from conftest import DEVICE
-from fused_preact.ops import bn_relu_conv2d, bn_relu_conv2d_reference
 from helpers import FUSED_BACKENDS, TOL, assert_close
+
+import fused_preact.ops.bn_relu_conv as op_mod
+import fused_preact.ops.triton.plan as triton_plans
+from fused_preact.ops import bn_relu_conv2d, bn_relu_conv2d_reference
 
 # (N, C, H, W, K, R, stride, padding, dilation, groups): odd channel counts, 1×1 images, all paddings.
 SHAPES = [

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import DEVICE
 from torch.library import opcheck
 
-from conftest import DEVICE
 from fused_preact import FusedBNReLUConv2d, FusedPreActBlock
 from fused_preact.modules import _spec, _tensors, bn_mode
 from fused_preact.ops.library import encode_key

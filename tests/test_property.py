@@ -13,9 +13,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from test_op import _run
 
 from fused_preact.ops._common import conv_out_size
-from test_op import _run
 
 settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -108,10 +108,10 @@ def test_mutations_between_calls_match_eager(steps, seed):
     import copy
 
     import torch.nn as nn
-
     from conftest import DEVICE
-    from fused_preact import FusedBNReLUConv2d
     from helpers import assert_close
+
+    from fused_preact import FusedBNReLUConv2d
 
     torch.manual_seed(seed)
     fused = FusedBNReLUConv2d(4, 6, 3, padding=1, backend="auto").to(DEVICE)

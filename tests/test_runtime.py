@@ -10,11 +10,11 @@ import threading
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import DEVICE
+from helpers import assert_close
+
 from fused_preact import FusedBNReLUConv2d, FusedPreActBlock
 from fused_preact.models import preact_resnet_cifar
-from helpers import assert_close
 
 
 @pytest.mark.gpu

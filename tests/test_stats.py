@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import DEVICE
-from fused_preact.ops import batch_stats
 from helpers import assert_close
+
+from fused_preact.ops import batch_stats
 
 
 def _ref(x):

@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import copy
 import os
-from collections import OrderedDict
 import socket
+from collections import OrderedDict
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
-
 from conftest import DEVICE
+from helpers import TOL, rel_err
+
 from fused_preact import FusedBNReLUConv2d, FusedPreActBlock
 from fused_preact.models import PreActBlock
 from fused_preact.modules import convert_sync_batchnorm
-from helpers import TOL, rel_err
 
 SPLITS = (5, 2)  # images per rank: unequal on purpose
 #: precision case -> (dtype the ranks compute in, [(module kind, backend of the fused modules), ...])

@@ -11,9 +11,9 @@ import textwrap
 
 import pytest
 import torch
+from conftest import DEVICE
 
 import fused_preact.ops.triton.plan as triton_plans
-from conftest import DEVICE
 from fused_preact import FusedPreActBlock
 from fused_preact.models import PreActBlock
 from fused_preact.ops.triton import tuning as _tuning

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import assert_close
 
 from fused_preact import FusedPreActBlock, FusedPreActBottleneck
-from fused_preact.models import PreActBlock, PreActBottleneck, PreActResNet, preact_resnet_cifar
 from fused_preact.experiments.variants import (
     SHORTCUTS,
     UNIT_CLASSES,
@@ -18,8 +18,7 @@ from fused_preact.experiments.variants import (
     ResNetVariant,
     preact_resnet_cifar_variant,
 )
-from helpers import assert_close
-
+from fused_preact.models import PreActBlock, PreActBottleneck, PreActResNet, preact_resnet_cifar
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

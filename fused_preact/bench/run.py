@@ -64,14 +64,36 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from fused_preact.bench.kernels import (FUSED_KERNEL_PROVIDERS, KERNEL_MODES, kernel_flops,
-                                        kernel_min_bytes, kernel_tables, quick_kernel_units)
-from fused_preact.bench.shapes import (MODEL_SPECS, MODES, achieved, block_flops, block_min_bytes, dtype_from_name,
-                                       enumerate_blocks, enumerate_units, floor_ms, pct_of_floor, quick_blocks,
-                                       quick_units, unit_flops, unit_min_bytes)
+from fused_preact.bench.kernels import (
+    FUSED_KERNEL_PROVIDERS,
+    KERNEL_MODES,
+    kernel_flops,
+    kernel_min_bytes,
+    kernel_tables,
+    quick_kernel_units,
+)
+from fused_preact.bench.shapes import (
+    MODEL_SPECS,
+    MODES,
+    achieved,
+    block_flops,
+    block_min_bytes,
+    dtype_from_name,
+    enumerate_blocks,
+    enumerate_units,
+    floor_ms,
+    pct_of_floor,
+    quick_blocks,
+    quick_units,
+    unit_flops,
+    unit_min_bytes,
+)
 
-__all__ = ["LEVELS", "ENTRY_MODES", "ENQUEUE_PROVIDERS", "EST_S", "make_entry", "annotate", "validate_results", "results_path", "write_results",
-           "environment", "format_table", "markdown_report", "write_chart", "cuda_refusal", "main"]
+__all__ = [
+    "LEVELS", "ENTRY_MODES", "ENQUEUE_PROVIDERS", "EST_S", "make_entry", "annotate", "validate_results",
+    "results_path", "write_results", "environment", "format_table", "markdown_report", "write_chart",
+    "cuda_refusal", "main"
+]
 
 LEVELS: tuple[str, ...] = ("unit", "block", "model", "kernel")
 #: Every entry mode: unit/block modes, the model's training step, host enqueue time, kernel modes.

@@ -113,8 +113,10 @@ def _specs() -> dict[str, ModelSpec]:
         return lambda fused, backend: M.preact_resnet_cifar(depth, 10, fused, backend)
 
     return {
-        "preact_resnet50": ModelSpec("preact_resnet50", lambda fused, backend: M.preact_resnet50(1000, fused, backend), 224, 1000),
-        "preact_resnet18": ModelSpec("preact_resnet18", lambda fused, backend: M.preact_resnet18(1000, fused, backend), 224, 1000),
+        "preact_resnet50": ModelSpec("preact_resnet50", lambda fused, backend: M.preact_resnet50(1000, fused, backend),
+                                     224, 1000),
+        "preact_resnet18": ModelSpec("preact_resnet18", lambda fused, backend: M.preact_resnet18(1000, fused, backend),
+                                     224, 1000),
         "preact_resnet164": ModelSpec("preact_resnet164", cifar(164), 32, 10),
         "preact_resnet110": ModelSpec("preact_resnet110", cifar(110), 32, 10),
         "preact_resnet20": ModelSpec("preact_resnet20", cifar(20), 32, 10),
@@ -194,7 +196,8 @@ class UnitShape:
 
     def describe(self) -> str:
         """Short geometry string, e.g. ``64→64 3×3/1 @56²``."""
-        return f"{self.C}→{self.K} {self.R}×{self.S}/{self.stride[0]} @{self.H}²" + (f" g{self.groups}" if self.groups > 1 else "")
+        groups = f" g{self.groups}" if self.groups > 1 else ""
+        return f"{self.C}→{self.K} {self.R}×{self.S}/{self.stride[0]} @{self.H}²{groups}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -222,11 +222,11 @@ def measure_peaks(matmul_n: int = 8192, copy_bytes: int = 1 << 30, reps: int = 1
     a = torch.randn(matmul_n, matmul_n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(matmul_n, matmul_n, device="cuda", dtype=torch.bfloat16)
     mm_ms = statistics.median(time_cuda(lambda _: torch.mm(a, b), warmup=3, reps=reps, max_s=5.0))
-    del a, b
+    a = b = None  # free the operands before the copy buffers
     src = torch.randn(copy_bytes // 2, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     cp_ms = statistics.median(time_cuda(lambda _: dst.copy_(src), warmup=3, reps=reps, max_s=5.0))
-    del src, dst
+    src = dst = None
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     torch.cuda.empty_cache()
     return Peaks(tflops=2 * matmul_n**3 / (mm_ms * 1e-3) / 1e12, gbps=2 * copy_bytes / (cp_ms * 1e-3) / 1e9,
@@ -507,9 +507,10 @@ class StepHarness:
     The model runs in ``dtype`` (parameters too, no autocast), channels_last, from one seed, the
     fused build loading the eager build's state_dict. A fused build takes one untimed step in the
     constructor, after which (and after every measurement) :func:`check_backend` confirms that every
-    fused module ran the provider's backend; ``backend`` and each measurement's extra record it. ``peak_mem_bytes`` of a measurement is the
-    memory a step needs beyond parameters, gradients, optimizer state and the batch (for the graph
-    variants: what the capture allocated, gradients included).
+    fused module ran the provider's backend; ``backend`` and each measurement's extra record it.
+    ``peak_mem_bytes`` of a measurement is the memory a step needs beyond parameters, gradients,
+    optimizer state and the batch (for the graph variants: what the capture allocated, gradients
+    included).
 
     Raises (constructor):
         Skip: the provider cannot run this model. ValueError: unknown provider.

@@ -16,9 +16,9 @@ imports the modules, models or reports.
 """
 
 from fused_preact.ops.backends import BACKENDS, PRIORITY, BackendChoice, PlanCache, select_backend
-from fused_preact.ops.run import run_chain
 from fused_preact.ops.bn_relu_conv import bn_relu_conv2d, bn_relu_conv2d_reference
 from fused_preact.ops.chain import ChainResult
+from fused_preact.ops.run import run_chain
 from fused_preact.ops.spec import BATCH, EXTERNAL, RUNNING, BNMode, ChainSpec, ChainTensors, ConvGeom, StatsHandoff
 from fused_preact.ops.stats import batch_stats, batch_stats_reference
 

@@ -3,7 +3,7 @@ memory-format rules and dtype mappings. Imports nothing else of the package."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 

@@ -225,9 +225,7 @@ def environment(device_type: str, index: Optional[int] = None) -> dict:
     (NVML's version, else the CUDA driver API's), CUDA runtime, cuDNN, torch, triton, this package's
     version and a hash of its op-layer sources, and whether Triton runs compiled or interpreted."""
     import fused_preact
-    from fused_preact.ops._common import triton
-
-    from fused_preact.ops._common import triton_mode
+    from fused_preact.ops._common import triton, triton_mode
 
     env = {"device": device_type, "torch": torch.__version__,
            "triton": getattr(triton, "__version__", None), "triton_mode": triton_mode(),

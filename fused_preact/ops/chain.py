@@ -18,8 +18,18 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from fused_preact.ops.spec import (BATCH, EXTERNAL, RUNNING, BNMode, ChainSpec, ChainTensors, GradNeeds, SavedChain,
-                                   StatsHandoff, add_shortcut)
+from fused_preact.ops.spec import (
+    BATCH,
+    EXTERNAL,
+    RUNNING,
+    BNMode,
+    ChainSpec,
+    ChainTensors,
+    GradNeeds,
+    SavedChain,
+    StatsHandoff,
+    add_shortcut,
+)
 
 __all__ = ["ChainResult", "ChainFunction", "reference_chain", "differentiable_slots"]
 

@@ -5,8 +5,9 @@ compiles offline every Triton launch a :class:`fused_preact.ops.recompute.plan.R
 distinct blocks of the requested models — the statistics pass and finalize, the pre-activation pass,
 BatchNorm's backward reduction, the fold (the wgrad kernel launched without its weight gradient,
 reported as ``fold``) and the dx pass — recorded on the meta device in train and eval mode, for
-channels_last and NCHW inputs (convolution results laid out as cuDNN lays them out). None of them is a convolution (cuDNN runs those), so ``--check`` holds
-them to the no-spill and shared-memory rules only.
+channels_last and NCHW inputs (convolution results laid out as cuDNN lays them out). None of them is
+a convolution (cuDNN runs those), so ``--check`` holds them to the no-spill and shared-memory rules
+only.
 """
 
 from __future__ import annotations

@@ -59,8 +59,14 @@ from tools.static_report.anchors import ANCHOR_NAMES, anchor_entries
 from tools.static_report.compile import csrc_entries, import_attr, triton_entries
 from tools.static_report.jobs import chain_jobs
 from tools.static_report.limits import check_entries
-from tools.static_report.loop_limits import (DEFAULT_BASELINE, check_loops, load_baseline, loop_figures,
-                                             update_baseline, write_baseline)
+from tools.static_report.loop_limits import (
+    DEFAULT_BASELINE,
+    check_loops,
+    load_baseline,
+    loop_figures,
+    update_baseline,
+    write_baseline,
+)
 from tools.static_report.sass import WIDTHS
 
 __all__ = ["default_provider", "format_table", "main", "ARCHS"]
@@ -178,7 +184,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="benchmarks/results", help="folder for static-<triton>-<date>.json")
     p.add_argument("--processes", type=int, default=2, help="compile processes (at most 2)")
     p.add_argument("--cache-dir", default=os.environ.get("FUSED_PREACT_STATIC_CACHE",
-                                                         os.path.join(os.path.expanduser("~"), ".cache", "fused_preact", "static")),
+                                                         os.path.join(os.path.expanduser("~"), ".cache", "fused_preact",
+                                                                      "static")),
                    help="metrics cache (default $FUSED_PREACT_STATIC_CACHE or ~/.cache/fused_preact/static)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the metrics cache")
     p.add_argument("--sass-dir", metavar="DIR", help="write each compilation's SASS there (bypasses the cache)")

@@ -144,9 +144,7 @@ def jit_load(verbose: bool = False) -> None:
             CUTLASS headers missing (install ``nvidia-cutlass``); compiler errors propagate.
     """
     global _loaded, _error
-    from torch.utils.cpp_extension import load
-
-    from torch.utils.cpp_extension import _get_build_directory
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     config = _build_config()
     if torch.version.cuda is None:

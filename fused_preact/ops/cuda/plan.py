@@ -15,8 +15,20 @@ from typing import Optional
 import torch
 
 from fused_preact.ops.cuda import ext as _cuda
-from fused_preact.ops.spec import (BATCH, EXTERNAL, RUNNING, BNMode, ChainForward, ChainGrads, ChainSpec, ChainTensors,
-                                   GradNeeds, SavedChain, add_shortcut, chain_shapes)
+from fused_preact.ops.spec import (
+    BATCH,
+    EXTERNAL,
+    RUNNING,
+    BNMode,
+    ChainForward,
+    ChainGrads,
+    ChainSpec,
+    ChainTensors,
+    GradNeeds,
+    SavedChain,
+    add_shortcut,
+    chain_shapes,
+)
 
 __all__ = ["CudaPlan"]
 

@@ -12,8 +12,8 @@ from typing import Optional
 import torch
 
 from fused_preact.ops._common import interpreting, triton
-from fused_preact.ops.spec import ConvGeom
 from fused_preact.ops.recompute import kernels as RK
+from fused_preact.ops.spec import ConvGeom
 from fused_preact.ops.triton import launch as TL
 from fused_preact.ops.triton.configs import INTERP_SUM_ROWS, GemmConfig, p2
 

@@ -30,8 +30,19 @@ import torch
 from fused_preact.ops._common import interpreting, triton, triton_mode
 from fused_preact.ops.recompute import launch as RL
 from fused_preact.ops.recompute import torch_ops as RT
-from fused_preact.ops.spec import (BATCH, EXTERNAL, BNMode, ChainForward, ChainGrads, ChainSpec, ChainTensors, GradNeeds,
-                                   SavedChain, add_shortcut, chain_shapes)
+from fused_preact.ops.spec import (
+    BATCH,
+    EXTERNAL,
+    BNMode,
+    ChainForward,
+    ChainGrads,
+    ChainSpec,
+    ChainTensors,
+    GradNeeds,
+    SavedChain,
+    add_shortcut,
+    chain_shapes,
+)
 from fused_preact.ops.triton import launch as TL
 from fused_preact.ops.triton.configs import INT32_MAX, INTERP_SUM_ROWS, contig_nhwc, max_offset, nhwc_strides_of, p2
 
