@@ -27,8 +27,8 @@ Source of the dataflow: docs/design.md; semantics: ``F.batch_norm`` → ``F.relu
 
 from __future__ import annotations
 
-from fused_preact.ops.triton.kernels_bn import tile_mean_m2
 from fused_preact.ops._common import tl, triton
+from fused_preact.ops.triton.kernels_bn import tile_mean_m2
 
 # Rows of a pack: per-channel fp32 vectors of one BatchNorm, written by the finalize kernel.
 PACK_MEAN, PACK_VAR, PACK_INVSTD, PACK_SCALE, PACK_SHIFT = 0, 1, 2, 3, 4

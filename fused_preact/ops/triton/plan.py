@@ -21,13 +21,37 @@ from typing import Optional
 import torch
 
 from fused_preact.ops._common import interpreting, nhwc_strides, triton
-from fused_preact.ops.spec import (BATCH, EXTERNAL, BNMode, ChainForward, ChainGrads, ChainSpec, ChainTensors,
-                                   GradNeeds, SavedChain, StatsHandoff)
-from fused_preact.ops.triton import launch
+from fused_preact.ops.spec import (
+    BATCH,
+    EXTERNAL,
+    BNMode,
+    ChainForward,
+    ChainGrads,
+    ChainSpec,
+    ChainTensors,
+    GradNeeds,
+    SavedChain,
+    StatsHandoff,
+)
 from fused_preact.ops.triton import kernels_conv as CK
-from fused_preact.ops.triton.configs import (INT32_MAX, INTERP_SUM_ROWS, GemmConfig, UnitPlan, candidates, contig_nhwc,
-                                             dgrad_config, fprop_config, is_channels_last, max_offset, nhwc_strides_of,
-                                             out_strides, p2, wgrad_config, wgrad_split)
+from fused_preact.ops.triton import launch
+from fused_preact.ops.triton.configs import (
+    INT32_MAX,
+    INTERP_SUM_ROWS,
+    GemmConfig,
+    UnitPlan,
+    candidates,
+    contig_nhwc,
+    dgrad_config,
+    fprop_config,
+    is_channels_last,
+    max_offset,
+    nhwc_strides_of,
+    out_strides,
+    p2,
+    wgrad_config,
+    wgrad_split,
+)
 from fused_preact.ops.triton.tuning import cache_for, choose, tuning_enabled
 
 __all__ = ["TritonPlan"]
