@@ -66,7 +66,8 @@ def test_enqueue_alone_keeps_enqueue_providers_of_blocks_and_models():
                         ("bf16",), ("enqueue",))
     assert {t.level for t in tasks} == {"block", "model"}
     assert {t.provider for t in tasks} == set(bench.ENQUEUE_PROVIDERS)
-    assert len([t for t in tasks if t.level == "block"]) == len(enumerate_blocks("preact_resnet164", 8)) * 3
+    n_blocks = len(enumerate_blocks("preact_resnet164", 8))
+    assert len([t for t in tasks if t.level == "block"]) == n_blocks * len(bench.ENQUEUE_PROVIDERS)
     both = bench._plan(["block"], ["preact_resnet164"], ["eager", "compile"], 8, False, ("bf16",), ("fwd", "enqueue"))
     assert {t.provider for t in both} == {"eager", "compile"}
 
