@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from fused_preact.ops._common import tl, triton
 from fused_preact.ops.triton.kernels_bn import tile_mean_m2
-from fused_preact.ops.triton.kernels_grad import _cdiv_signed, _dw_piece, _dy_piece, _frac_range, _udiv
+from fused_preact.ops.triton.kernels_grad import _cdiv_signed, _dw_piece, _dy_piece, _frac_range, _round_to, _udiv
 
 # Rows of a pack: per-channel fp32 vectors of one BatchNorm, written by the finalize kernel.
 PACK_MEAN, PACK_VAR, PACK_INVSTD, PACK_SCALE, PACK_SHIFT = 0, 1, 2, 3, 4
@@ -181,7 +181,8 @@ def _dgrad_kernel(
     DIL_H: tl.constexpr, DIL_W: tl.constexpr,
     P2, Q2, K2, STRIDE2: tl.constexpr,
     HAS_PROJ: tl.constexpr, WRITE_DX: tl.constexpr, HAS_RES: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K2: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, ASM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
 ):
     """``da[m, c] = Σ_{r,s,k} dy[pix⁻¹(m,r,s), k] · w[k, c, r, s]``; epilogue: the ReLU mask recomputed
@@ -237,31 +238,84 @@ def _dgrad_kernel(
     m_mask = offs_m < M // (H * W) * (Hp * Wp)
     n_mask = offs_n < Cg
     c_in = g * Cg + offs_n
-    wi = pw0 + (offs_m % Wp) * step_w
-    hi = ph0 + ((offs_m // Wp) % Hp) * step_h
+    wq = offs_m % Wp
+    hq = (offs_m // Wp) % Hp
     nb = offs_m // (Hp * Wp)
+    wi = pw0 + wq * step_w
+    hi = ph0 + hq * step_h
     if IDX64:
         nb = nb.to(tl.int64)
     dbase = nb * sdn
+    # Loop-invariant parts of the operand offsets: a step of the loop adds scalars only.
+    arange_k = tl.arange(0, BLOCK_K)
+    dy_k = ((g * Kg + arange_k) * sdc)[None, :]
+    w_inv = ((g * Kg + arange_k) * swk)[:, None] + (offs_n * swc)[None, :]
+    if EVEN_N:
+        w_mask_n = None
+    else:
+        w_mask_n = n_mask[None, :]
+    # Row and column of the output pixel a tap reads are (hq + oh, wq + ow) with per-tap scalars
+    # oh, ow: stride 1 (oh = PAD_H - r·DIL_H) or phases (oh = (ph0 + PAD_H - r) / STRIDE_H, exact).
+    DIRECT: tl.constexpr = PHASED or (STRIDE_H == 1 and STRIDE_W == 1)
+    # TAPBITS: bit r·S + s of a row's ``taps`` says whether tap (r, s) reads inside dy (and the row is
+    # inside the tile), computed once; a step of the loop then tests one bit per row.
+    TAPBITS: tl.constexpr = DIRECT and R * S > 1 and R * S <= 32
+    if DIRECT:
+        dy_row = dbase + hq * sdh + wq * sdw
+    if TAPBITS:
+        hbits = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for rb in tl.static_range(R):
+            if PHASED:
+                ohb = (ph0 + PAD_H - rb) // STRIDE_H
+            else:
+                ohb = PAD_H - rb * DIL_H
+            hbits |= ((hq + ohb).to(tl.uint32, bitcast=True) < P).to(tl.int32) << rb
+        taps = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for sb in tl.static_range(S):
+            if PHASED:
+                owb = (pw0 + PAD_W - sb) // STRIDE_W
+            else:
+                owb = PAD_W - sb * DIL_W
+            okw = (wq + owb).to(tl.uint32, bitcast=True) < Q
+            for rb in tl.static_range(R):
+                taps |= (okw & (((hbits >> rb) & 1) != 0)).to(tl.int32) << (rb * S + sb)
+        taps = tl.where(m_mask, taps, 0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    kk = 0
+    ss = 0
+    rr = 0
     for t in range(NR * NS * NUM_KK):
         if R * S == 1:
             k0 = t * BLOCK_K
-            r = 0
-            s = 0
+            r = r0
+            s = s0
         else:
-            rs = t // NUM_KK
-            k0 = (t - rs * NUM_KK) * BLOCK_K
-            r = r0 + (rs // NS) * step_h
-            s = s0 + (rs % NS) * step_w
-        ph = hi + PAD_H - r * DIL_H
-        pw = wi + PAD_W - s * DIL_W
-        if PHASED:  # exact multiples of the stride by construction
-            p = ph // STRIDE_H
-            qq = pw // STRIDE_W
-            ok_h = (ph >= 0) & (p < P)
-            ok_w = (pw >= 0) & (qq < Q)
+            k0 = kk * BLOCK_K
+            r = r0 + rr * step_h
+            s = s0 + ss * step_w
+            kk += 1
+            wrap = kk == NUM_KK
+            kk = tl.where(wrap, 0, kk)
+            ss = tl.where(wrap, ss + 1, ss)
+            wrap2 = ss == NS
+            ss = tl.where(wrap2, 0, ss)
+            rr = tl.where(wrap2, rr + 1, rr)
+        if DIRECT:
+            if PHASED:
+                oh = (ph0 + PAD_H - r) // STRIDE_H
+                ow = (pw0 + PAD_W - s) // STRIDE_W
+            else:
+                oh = PAD_H - r * DIL_H
+                ow = PAD_W - s * DIL_W
+            if TAPBITS:
+                valid = (taps & (1 << (r * S + s))) != 0
+            else:
+                valid = m_mask & ((hq + oh).to(tl.uint32, bitcast=True) < P) & \
+                    ((wq + ow).to(tl.uint32, bitcast=True) < Q)
+            dy_off = dy_row + (oh * sdh + ow * sdw + k0 * sdc)
         else:
+            ph = hi + PAD_H - r * DIL_H
+            pw = wi + PAD_W - s * DIL_W
             if STRIDE_H == 1:
                 p = ph
                 ok_h = (ph >= 0) & (ph < P)
@@ -276,26 +330,38 @@ def _dgrad_kernel(
                 pwc = tl.where(pw >= 0, pw, 0)
                 qq = pwc // STRIDE_W
                 ok_w = (pw >= 0) & (qq * STRIDE_W == pwc) & (qq < Q)
-        valid = m_mask & ok_h & ok_w
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < Kg
-        k_glob = g * Kg + offs_k
-        dyt = tl.load(dy_ptr + (dbase + p * sdh + qq * sdw)[:, None] + k_glob[None, :] * sdc,
-                      mask=valid[:, None] & k_mask[None, :], other=0.0)
-        wt = tl.load(w_ptr + k_glob[:, None] * swk + offs_n[None, :] * swc + r * swr + s * sws,
-                     mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            valid = m_mask & ok_h & ok_w
+            dy_off = dbase + p * sdh + qq * sdw + k0 * sdc
+        if EVEN_K:
+            dyt = tl.load(dy_ptr + dy_off[:, None] + dy_k, mask=valid[:, None], other=0.0)
+            if EVEN_N:
+                wt = tl.load(w_ptr + (w_inv + (k0 * swk + r * swr + s * sws)))
+            else:
+                wt = tl.load(w_ptr + (w_inv + (k0 * swk + r * swr + s * sws)), mask=w_mask_n, other=0.0)
+        else:
+            k_ok = (k0 + arange_k) < Kg
+            dyt = tl.load(dy_ptr + dy_off[:, None] + dy_k, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            wt = tl.load(w_ptr + (w_inv + (k0 * swk + r * swr + s * sws)), mask=k_ok[:, None] & n_mask[None, :],
+                         other=0.0)
         acc = tl.dot(dyt.to(DOT_DTYPE), wt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
     if HAS_PROJ:
         # 1×1, stride STRIDE2, no padding, groups == 1: only pixels on the stride grid receive gradient.
         on_grid = m_mask & (hi % STRIDE2 == 0) & (wi % STRIDE2 == 0)
         row2 = nb * sd2n + (hi // STRIDE2) * sd2h + (wi // STRIDE2) * sd2w
+        arange_k2 = tl.arange(0, BLOCK_K2)
+        dy2_ptrs = dy2_ptr + row2[:, None] + (arange_k2 * sd2c)[None, :]
+        w2_ptrs = w2_ptr + (arange_k2 * sw2k)[:, None] + (offs_n * sw2c)[None, :]
         for k0 in range(0, K2, BLOCK_K2):
-            offs_k = k0 + tl.arange(0, BLOCK_K2)
-            k_mask = offs_k < K2
-            dyt2 = tl.load(dy2_ptr + row2[:, None] + offs_k[None, :] * sd2c,
-                           mask=on_grid[:, None] & k_mask[None, :], other=0.0)
-            wt2 = tl.load(w2_ptr + offs_k[:, None] * sw2k + offs_n[None, :] * sw2c,
-                          mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if EVEN_K2:
+                dyt2 = tl.load(dy2_ptrs + k0 * sd2c, mask=on_grid[:, None], other=0.0)
+                if EVEN_N:
+                    wt2 = tl.load(w2_ptrs + k0 * sw2k)
+                else:
+                    wt2 = tl.load(w2_ptrs + k0 * sw2k, mask=w_mask_n, other=0.0)
+            else:
+                k_ok = (k0 + arange_k2) < K2
+                dyt2 = tl.load(dy2_ptrs + k0 * sd2c, mask=on_grid[:, None] & k_ok[None, :], other=0.0)
+                wt2 = tl.load(w2_ptrs + k0 * sw2k, mask=k_ok[:, None] & n_mask[None, :], other=0.0)
             acc = tl.dot(dyt2.to(DOT_DTYPE), wt2.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
     tile_mask = m_mask[:, None] & n_mask[None, :]
     xrow = nb * sxn + hi * sxh + wi * sxw
@@ -314,7 +380,7 @@ def _dgrad_kernel(
             dx += tl.load(res_ptr + rrow[:, None] + c_in[None, :] * src, mask=tile_mask, other=0.0).to(tl.float32)
         tl.store(optr, dx.to(out_ptr.dtype.element_ty), mask=tile_mask)
     else:
-        dzr = dz.to(out_ptr.dtype.element_ty)
+        dzr = _round_to(dz, out_ptr.dtype.element_ty, ASM)
         tl.store(optr, dzr, mask=tile_mask)
         dz = dzr.to(tl.float32)  # the sums see exactly what the dx pass will read
     xhat = tl.where(tile_mask, (xt - mu[None, :]) * istd[None, :], 0.0)

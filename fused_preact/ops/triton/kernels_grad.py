@@ -1,5 +1,6 @@
 """Jit helpers of the gradient kernels (:mod:`fused_preact.ops.triton.kernels_conv`): division-free row
-arithmetic (multiply-shift division, fixed-point range tests) and the wgrad kernel's operand pieces.
+arithmetic (multiply-shift division, fixed-point range tests), the wgrad kernel's operand pieces and
+the rounding of the dgrad epilogue.
 
 Sources: Granlund & Montgomery, "Division by invariant integers using multiplication" (PLDI 1994) for
 :func:`_udiv`; Lemire, Kaser & Kurz, "Faster remainder by direct computation" (2019) for
@@ -77,3 +78,18 @@ def _dw_piece(dw_ptr, acc, kb, j: tl.constexpr, Kg, Cg, K, g, offs_c, c_mask, r,
     else:  # a weight-sized slice is < 2**31 elements: int32 offsets from an int64 base
         base = dw_ptr + (split.to(tl.int64) * K * Cg * (R * S) + rs)
         tl.store(base + (k_glob[None, :] * Cg + offs_c[:, None]) * (R * S), acc, mask=mask)
+
+
+@triton.jit
+def _round_to(v, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """``v.to(DTYPE)`` (round to nearest even). With ASM (compiled kernels) a 16-bit DTYPE rounds pairs
+    with ``cvt.rn.{bf16x2,f16x2}.f32``: ptxas serializes the wgmma pipeline of a kernel whose
+    epilogue rounds accumulator registers one by one (performance advisory C7514)."""
+    if ASM and DTYPE == tl.bfloat16:
+        return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [v], dtype=tl.bfloat16,
+                                         is_pure=True, pack=2)
+    elif ASM and DTYPE == tl.float16:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [v], dtype=tl.float16,
+                                         is_pure=True, pack=2)
+    else:
+        return v.to(DTYPE)

@@ -196,10 +196,12 @@ def dgrad(u: UnitPlan, *, dy: torch.Tensor, dy_strides, w: torch.Tensor, x: torc
     w2_strides = w2.stride()[:2] if w2 is not None else (0, 0)
     args = (dy, *dy_strides, w, *w.stride(), dy2, *dy2_strides, w2, *w2_strides, x, *u.in_strides, pack,
             out, *out_strides, res, *res_strides, psum, u.M_in)
+    block_k2 = p2(K2, 16, 256 if interpreting() else cfg.BLOCK_K)
     kw = dict(**_geo(g, u.in_shape, u.out_shape), P2=dy2_shape[2], Q2=dy2_shape[3], K2=K2, STRIDE2=proj_stride,
-              HAS_PROJ=w2 is not None, WRITE_DX=write_dx, HAS_RES=res is not None, **_dot(cdtype, idx64),
-              BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-              BLOCK_K2=p2(K2, 16, 256 if interpreting() else cfg.BLOCK_K),
+              HAS_PROJ=w2 is not None, WRITE_DX=write_dx, HAS_RES=res is not None,
+              EVEN_K=u.out_shape[1] // g.groups % cfg.BLOCK_K == 0, EVEN_N=C // g.groups % cfg.BLOCK_N == 0,
+              EVEN_K2=K2 % block_k2 == 0, **_dot(cdtype, idx64), ASM=not interpreting(),
+              BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, BLOCK_K2=block_k2,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if _recorder is not None:
         _record("dgrad", CK._dgrad_kernel, grid, args, kw)
