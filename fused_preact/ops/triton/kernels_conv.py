@@ -624,9 +624,9 @@ def _wgrad_kernel(
     pid = tl.program_id(0)
     if pid < NUM_WGRAD:
         _wgrad_tile(dy_ptr, sdn, sdh, sdw, sdc, x_ptr, sxn, sxh, sxw, sxc, pack_ptr, dw_ptr, swk, swc, swr, sws,
-                    pid, M, CHUNK, H, W, C, P, Q, K, Q_MUL, Q_SHR, PQ_MUL, PQ_SHR, CQ, CPQ, GROUPS, R, S, STRIDE_H, STRIDE_W,
-                    PAD_H, PAD_W, DIL_H, DIL_W, SPLIT_K, LINEAR, EVEN_M, EVEN_K, EVEN_C, DOT_DTYPE, INPUT_PRECISION, IDX64, ASM, BLOCK_M, BLOCK_N,
-                    BLOCK_R)
+                    pid, M, CHUNK, H, W, C, P, Q, K, Q_MUL, Q_SHR, PQ_MUL, PQ_SHR, CQ, CPQ, GROUPS, R, S,
+                    STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SPLIT_K, LINEAR, EVEN_M, EVEN_K, EVEN_C,
+                    DOT_DTYPE, INPUT_PRECISION, IDX64, ASM, BLOCK_M, BLOCK_N, BLOCK_R)
     elif SUM_MODE != 0:
         cols = (pid - NUM_WGRAD) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C
