@@ -14,7 +14,9 @@ import fused_preact.ops.bn_relu_conv as op_mod
 import fused_preact.ops.triton.plan as triton_plans
 from fused_preact.ops import bn_relu_conv2d, bn_relu_conv2d_reference
 
-# (N, C, H, W, K, R, stride, padding, dilation, groups): odd channel counts, 1×1 images, all paddings.
+# (N, C, H, W, K, R, stride, padding, dilation, groups): odd channel counts, 1×1 images, all paddings;
+# the last two are strided with input sizes exactly twice the output's (the wgrad kernel's pixel-linear
+# strided path).
 SHAPES = [
     (2, 3, 7, 7, 8, 3, 1, 1, 1, 1),
     (2, 5, 9, 9, 6, 3, 2, 1, 1, 1),
@@ -27,6 +29,8 @@ SHAPES = [
     (4, 3, 1, 1, 5, 3, 1, 1, 1, 1),
     (3, 5, 1, 1, 3, 1, 1, 0, 1, 1),
     (2, 40, 5, 5, 72, 3, 1, 1, 1, 1),
+    (2, 6, 8, 8, 10, 3, 2, 1, 1, 1),
+    (2, 12, 8, 6, 8, 1, 2, 0, 1, 1),
 ]
 
 
@@ -36,8 +40,9 @@ def _ids(shape):
 
 
 def _run(shape, training, channels_last, dtype, *, affine=True, bias=False, track=True, momentum=0.1, seed=0,
-         backend="triton"):
-    """Run fused (in ``dtype``) and float64 reference on the same (rounded) data; compare everything."""
+         backend="triton", dy_channels_last=False):
+    """Run fused (in ``dtype``) and float64 reference on the same (rounded) data; compare everything.
+    ``dy_channels_last``: the output gradient arrives in channels_last (as from a following fused conv)."""
     N, C, H, W, K, R, stride, pad, dil, groups = shape
     gen = torch.Generator().manual_seed(seed)
 
@@ -82,7 +87,10 @@ def _run(shape, training, channels_last, dtype, *, affine=True, bias=False, trac
     assert y.dtype == dtype and y.shape == y_ref.shape
     expect_cl = channels_last and not fused_leaves["x"].is_contiguous()
     assert y.is_contiguous(memory_format=torch.channels_last if expect_cl else torch.contiguous_format)
-    grads = torch.autograd.grad(y, [v for v in fused_leaves.values() if v is not None], dy.to(DEVICE, dtype))
+    dy_dev = dy.to(DEVICE, dtype)
+    if dy_channels_last:
+        dy_dev = dy_dev.contiguous(memory_format=torch.channels_last)
+    grads = torch.autograd.grad(y, [v for v in fused_leaves.values() if v is not None], dy_dev)
 
     assert_close(y, y_ref, dtype, "forward")
     names = [k for k, v in leaves.items() if v is not None]
@@ -113,11 +121,29 @@ def test_fp32(shape, training, channels_last, backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3], SHAPES[7], SHAPES[10]], ids=_ids)
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3], SHAPES[7], SHAPES[10], SHAPES[11]], ids=_ids)
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
 def test_half(dtype, shape, training, backend):
     _run(shape, training, True, dtype, backend=backend)
+
+
+# Pixel-linear shapes of the wgrad kernel (x and dy both channels_last): padding on every side, dilation,
+# strided with exact halving, 1×1 images, groups, and row counts that do and do not fill the row blocks.
+_LINEAR_SHAPES = [
+    (2, 8, 6, 6, 8, 3, 1, 1, 1, 1),
+    (2, 8, 7, 8, 12, 3, 1, 1, 1, 4),
+    (2, 5, 9, 7, 7, 3, 1, 2, 2, 1),
+    (2, 6, 8, 8, 10, 3, 2, 1, 1, 1),
+    (2, 12, 8, 6, 8, 1, 2, 0, 1, 1),
+    (2, 8, 8, 8, 8, 1, 1, 0, 1, 1),
+    (4, 3, 1, 1, 5, 3, 1, 1, 1, 1),
+]
+
+
+@pytest.mark.parametrize("shape", _LINEAR_SHAPES, ids=_ids)
+def test_channels_last_output_gradient(shape):
+    _run(shape, True, True, torch.float32, dy_channels_last=True)
 
 
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)

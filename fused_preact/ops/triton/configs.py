@@ -66,38 +66,37 @@ def fprop_config(M: int, Kg: int, Cg: int, dtype: torch.dtype, stats: bool) -> G
 def dgrad_config(M: int, Cg: int, Kg: int, dtype: torch.dtype) -> GemmConfig:
     """Default dgrad tiles (M = N·H·W input pixels, N = Cg, reduction over taps × Kg). 64-row tiles:
     the epilogue holds the accumulator, x, the mask and x̂ at once, and 128-row tiles sit at the
-    255-register limit (they spill on sm_80 in bf16 and on sm_90 in fp32)."""
+    255-register limit (they spill on sm_80 in bf16 and on sm_90 in fp32); 128 channels wide only with
+    64-deep reduction steps (64×128×32 spills one value on sm_90 with the residual epilogue)."""
     if interpreting():
         return GemmConfig(p2(M, 16, INTERP_SUM_ROWS), p2(Cg, 16, 256), p2(Kg, 16, 256))
     fp32 = dtype == torch.float32
-    return GemmConfig(64, p2(Cg, 16, 64 if fp32 else 128), p2(Kg, 16, 32 if fp32 else 64), 4, 3)
+    block_k = p2(Kg, 16, 32 if fp32 else 64)
+    return GemmConfig(64, p2(Cg, 16, 64 if fp32 or block_k < 64 else 128), block_k, 4, 3)
 
 
 def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype) -> GemmConfig:
     """Default wgrad tiles: BLOCK_M over output channels, BLOCK_N over input channels, BLOCK_K over
-    the reduction (N·P·Q rows)."""
+    the reduction (N·P·Q rows). The kernel computes dWᵀ: BLOCK_N is the MMA's M (64 per warpgroup on
+    sm_90, so 64 with 4 warps: one warpgroup, one register A fragment), BLOCK_M its N (up to 128 in
+    pieces of 64; 256 spills on sm_80)."""
     if interpreting():
         return GemmConfig(p2(Kg, 16, 256), p2(Cg, 16, 256), p2(M, 16, 4096))
-    wide = 64 if dtype == torch.float32 else 128
-    block_m, block_n = p2(Kg, 64, wide), p2(Cg, 16, wide)  # ≥ 64 rows: wgmma's minimum M on sm_90
-    tile = block_m * block_n
-    if tile >= 128 * 128:  # 128×128×64 spills 48 bytes on sm_80 with split-K
-        return GemmConfig(block_m, block_n, 32, 8, 4)
-    block_k = 32 if dtype == torch.float32 else 64
-    # sm_80: 64×128 with 4 warps sits at 255 registers and spills; a ≤ 64×32 tile with 3 stages
-    # spills one value at 96 registers (4 stages take 112, none).
-    return GemmConfig(block_m, block_n, block_k, 8 if tile >= 64 * 128 else 4, 4 if tile <= 64 * 32 else 3)
+    if dtype == torch.float32:  # fp32 operands (TF32 MMA): half the rows per block
+        return GemmConfig(p2(Kg, 16, 64), 64, 32, 4, 4)
+    return GemmConfig(p2(Kg, 16, 128), 64, 64, 4, 3)
 
 
 #: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of fprop; BLOCK_K halves for fp32 operands. No spills on
 #: sm_90 or sm_80 in any epilogue variant.
 _FPROP_SPACE = ((128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 8, 3), (128, 64, 32, 8, 4),
                 (64, 64, 64, 4, 4), (64, 64, 32, 4, 4))
-#: dgrad: 64-row tiles (its epilogue holds accumulator, x, mask and x̂ at once; 128-row tiles spill).
-_DGRAD_SPACE = ((64, 128, 64, 4, 3), (64, 128, 32, 4, 4), (64, 64, 64, 4, 4), (64, 64, 32, 4, 5))
-#: wgrad: (output channels, input channels, rows) per tile.
-_WGRAD_SPACE = ((128, 128, 32, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 8, 4), (64, 64, 64, 4, 4),
-                (64, 64, 128, 4, 3))
+#: dgrad: 64-row tiles (its epilogue holds accumulator, x, mask and x̂ at once; 128-row tiles spill);
+#: 64-deep reduction steps (32-deep ones spend more than the tensor-core time on the loop's fixed cost).
+_DGRAD_SPACE = ((64, 128, 64, 4, 3), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4))
+#: wgrad: (output channels, input channels, rows) per tile; one warpgroup (8 warps put a third
+#: barrier in the loop on sm_90), 256 output channels spill on sm_80.
+_WGRAD_SPACE = ((128, 64, 64, 4, 3), (128, 64, 64, 4, 4), (64, 64, 128, 4, 3))
 
 
 def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype) -> list[GemmConfig]:
@@ -110,10 +109,16 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype) -> list[Ge
     for bm, bn, bk, warps, stages in space:
         if half == 2 and (bm > 64 or bn > 64):  # fp32 operands: 64×64 tiles at most
             continue
-        bm, bn = min(bm, p2(m, 64, bm)), min(bn, p2(n, 16, bn))
+        if kind == "wgrad":  # BLOCK_N is the MMA's M (64 per warpgroup), BLOCK_M its N (≥ 16)
+            bm = min(bm, p2(m, 16, bm))
+        else:
+            bm, bn = min(bm, p2(m, 64, bm)), min(bn, p2(n, 16, bn))
         # A tile clamped below 128×64 has too few operand elements for 8 warps (16-bit scalar loads,
         # e.g. a 16×16 weight tile over 256 threads), so it runs with 4.
-        cfg = GemmConfig(bm, bn, min(bk // half, p2(k, 16, bk // half)), 4 if bm * bn < 128 * 64 else warps, stages)
+        bk = min(bk // half, p2(k, 16, bk // half))
+        if kind == "dgrad" and bk < 64:  # see dgrad_config
+            bn = min(bn, 64)
+        cfg = GemmConfig(bm, bn, bk, 4 if bm * bn < 128 * 64 else warps, stages)
         if cfg not in out:
             out.append(cfg)
     return out

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from fused_preact.ops._common import tl, triton
 from fused_preact.ops.triton.kernels_bn import tile_mean_m2
+from fused_preact.ops.triton.kernels_grad import _cdiv_signed, _dw_piece, _dy_piece, _frac_range, _round_to, _udiv
 
 # Rows of a pack: per-channel fp32 vectors of one BatchNorm, written by the finalize kernel.
 PACK_MEAN, PACK_VAR, PACK_INVSTD, PACK_SCALE, PACK_SHIFT = 0, 1, 2, 3, 4
@@ -180,7 +181,8 @@ def _dgrad_kernel(
     DIL_H: tl.constexpr, DIL_W: tl.constexpr,
     P2, Q2, K2, STRIDE2: tl.constexpr,
     HAS_PROJ: tl.constexpr, WRITE_DX: tl.constexpr, HAS_RES: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K2: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, ASM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
 ):
     """``da[m, c] = Σ_{r,s,k} dy[pix⁻¹(m,r,s), k] · w[k, c, r, s]``; epilogue: the ReLU mask recomputed
@@ -236,31 +238,84 @@ def _dgrad_kernel(
     m_mask = offs_m < M // (H * W) * (Hp * Wp)
     n_mask = offs_n < Cg
     c_in = g * Cg + offs_n
-    wi = pw0 + (offs_m % Wp) * step_w
-    hi = ph0 + ((offs_m // Wp) % Hp) * step_h
+    wq = offs_m % Wp
+    hq = (offs_m // Wp) % Hp
     nb = offs_m // (Hp * Wp)
+    wi = pw0 + wq * step_w
+    hi = ph0 + hq * step_h
     if IDX64:
         nb = nb.to(tl.int64)
     dbase = nb * sdn
+    # Loop-invariant parts of the operand offsets: a step of the loop adds scalars only.
+    arange_k = tl.arange(0, BLOCK_K)
+    dy_k = ((g * Kg + arange_k) * sdc)[None, :]
+    w_inv = ((g * Kg + arange_k) * swk)[:, None] + (offs_n * swc)[None, :]
+    if EVEN_N:
+        w_mask_n = None
+    else:
+        w_mask_n = n_mask[None, :]
+    # Row and column of the output pixel a tap reads are (hq + oh, wq + ow) with per-tap scalars
+    # oh, ow: stride 1 (oh = PAD_H - r·DIL_H) or phases (oh = (ph0 + PAD_H - r) / STRIDE_H, exact).
+    DIRECT: tl.constexpr = PHASED or (STRIDE_H == 1 and STRIDE_W == 1)
+    # TAPBITS: bit r·S + s of a row's ``taps`` says whether tap (r, s) reads inside dy (and the row is
+    # inside the tile), computed once; a step of the loop then tests one bit per row.
+    TAPBITS: tl.constexpr = DIRECT and R * S > 1 and R * S <= 32
+    if DIRECT:
+        dy_row = dbase + hq * sdh + wq * sdw
+    if TAPBITS:
+        hbits = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for rb in tl.static_range(R):
+            if PHASED:
+                ohb = (ph0 + PAD_H - rb) // STRIDE_H
+            else:
+                ohb = PAD_H - rb * DIL_H
+            hbits |= ((hq + ohb).to(tl.uint32, bitcast=True) < P).to(tl.int32) << rb
+        taps = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for sb in tl.static_range(S):
+            if PHASED:
+                owb = (pw0 + PAD_W - sb) // STRIDE_W
+            else:
+                owb = PAD_W - sb * DIL_W
+            okw = (wq + owb).to(tl.uint32, bitcast=True) < Q
+            for rb in tl.static_range(R):
+                taps |= (okw & (((hbits >> rb) & 1) != 0)).to(tl.int32) << (rb * S + sb)
+        taps = tl.where(m_mask, taps, 0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    kk = 0
+    ss = 0
+    rr = 0
     for t in range(NR * NS * NUM_KK):
         if R * S == 1:
             k0 = t * BLOCK_K
-            r = 0
-            s = 0
+            r = r0
+            s = s0
         else:
-            rs = t // NUM_KK
-            k0 = (t - rs * NUM_KK) * BLOCK_K
-            r = r0 + (rs // NS) * step_h
-            s = s0 + (rs % NS) * step_w
-        ph = hi + PAD_H - r * DIL_H
-        pw = wi + PAD_W - s * DIL_W
-        if PHASED:  # exact multiples of the stride by construction
-            p = ph // STRIDE_H
-            qq = pw // STRIDE_W
-            ok_h = (ph >= 0) & (p < P)
-            ok_w = (pw >= 0) & (qq < Q)
+            k0 = kk * BLOCK_K
+            r = r0 + rr * step_h
+            s = s0 + ss * step_w
+            kk += 1
+            wrap = kk == NUM_KK
+            kk = tl.where(wrap, 0, kk)
+            ss = tl.where(wrap, ss + 1, ss)
+            wrap2 = ss == NS
+            ss = tl.where(wrap2, 0, ss)
+            rr = tl.where(wrap2, rr + 1, rr)
+        if DIRECT:
+            if PHASED:
+                oh = (ph0 + PAD_H - r) // STRIDE_H
+                ow = (pw0 + PAD_W - s) // STRIDE_W
+            else:
+                oh = PAD_H - r * DIL_H
+                ow = PAD_W - s * DIL_W
+            if TAPBITS:
+                valid = (taps & (1 << (r * S + s))) != 0
+            else:
+                valid = m_mask & ((hq + oh).to(tl.uint32, bitcast=True) < P) & \
+                    ((wq + ow).to(tl.uint32, bitcast=True) < Q)
+            dy_off = dy_row + (oh * sdh + ow * sdw + k0 * sdc)
         else:
+            ph = hi + PAD_H - r * DIL_H
+            pw = wi + PAD_W - s * DIL_W
             if STRIDE_H == 1:
                 p = ph
                 ok_h = (ph >= 0) & (ph < P)
@@ -275,26 +330,38 @@ def _dgrad_kernel(
                 pwc = tl.where(pw >= 0, pw, 0)
                 qq = pwc // STRIDE_W
                 ok_w = (pw >= 0) & (qq * STRIDE_W == pwc) & (qq < Q)
-        valid = m_mask & ok_h & ok_w
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < Kg
-        k_glob = g * Kg + offs_k
-        dyt = tl.load(dy_ptr + (dbase + p * sdh + qq * sdw)[:, None] + k_glob[None, :] * sdc,
-                      mask=valid[:, None] & k_mask[None, :], other=0.0)
-        wt = tl.load(w_ptr + k_glob[:, None] * swk + offs_n[None, :] * swc + r * swr + s * sws,
-                     mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            valid = m_mask & ok_h & ok_w
+            dy_off = dbase + p * sdh + qq * sdw + k0 * sdc
+        if EVEN_K:
+            dyt = tl.load(dy_ptr + dy_off[:, None] + dy_k, mask=valid[:, None], other=0.0)
+            if EVEN_N:
+                wt = tl.load(w_ptr + (w_inv + (k0 * swk + r * swr + s * sws)))
+            else:
+                wt = tl.load(w_ptr + (w_inv + (k0 * swk + r * swr + s * sws)), mask=w_mask_n, other=0.0)
+        else:
+            k_ok = (k0 + arange_k) < Kg
+            dyt = tl.load(dy_ptr + dy_off[:, None] + dy_k, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            wt = tl.load(w_ptr + (w_inv + (k0 * swk + r * swr + s * sws)), mask=k_ok[:, None] & n_mask[None, :],
+                         other=0.0)
         acc = tl.dot(dyt.to(DOT_DTYPE), wt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
     if HAS_PROJ:
         # 1×1, stride STRIDE2, no padding, groups == 1: only pixels on the stride grid receive gradient.
         on_grid = m_mask & (hi % STRIDE2 == 0) & (wi % STRIDE2 == 0)
         row2 = nb * sd2n + (hi // STRIDE2) * sd2h + (wi // STRIDE2) * sd2w
+        arange_k2 = tl.arange(0, BLOCK_K2)
+        dy2_ptrs = dy2_ptr + row2[:, None] + (arange_k2 * sd2c)[None, :]
+        w2_ptrs = w2_ptr + (arange_k2 * sw2k)[:, None] + (offs_n * sw2c)[None, :]
         for k0 in range(0, K2, BLOCK_K2):
-            offs_k = k0 + tl.arange(0, BLOCK_K2)
-            k_mask = offs_k < K2
-            dyt2 = tl.load(dy2_ptr + row2[:, None] + offs_k[None, :] * sd2c,
-                           mask=on_grid[:, None] & k_mask[None, :], other=0.0)
-            wt2 = tl.load(w2_ptr + offs_k[:, None] * sw2k + offs_n[None, :] * sw2c,
-                          mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if EVEN_K2:
+                dyt2 = tl.load(dy2_ptrs + k0 * sd2c, mask=on_grid[:, None], other=0.0)
+                if EVEN_N:
+                    wt2 = tl.load(w2_ptrs + k0 * sw2k)
+                else:
+                    wt2 = tl.load(w2_ptrs + k0 * sw2k, mask=w_mask_n, other=0.0)
+            else:
+                k_ok = (k0 + arange_k2) < K2
+                dyt2 = tl.load(dy2_ptrs + k0 * sd2c, mask=on_grid[:, None] & k_ok[None, :], other=0.0)
+                wt2 = tl.load(w2_ptrs + k0 * sw2k, mask=k_ok[:, None] & n_mask[None, :], other=0.0)
             acc = tl.dot(dyt2.to(DOT_DTYPE), wt2.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
     tile_mask = m_mask[:, None] & n_mask[None, :]
     xrow = nb * sxn + hi * sxh + wi * sxw
@@ -313,7 +380,7 @@ def _dgrad_kernel(
             dx += tl.load(res_ptr + rrow[:, None] + c_in[None, :] * src, mask=tile_mask, other=0.0).to(tl.float32)
         tl.store(optr, dx.to(out_ptr.dtype.element_ty), mask=tile_mask)
     else:
-        dzr = dz.to(out_ptr.dtype.element_ty)
+        dzr = _round_to(dz, out_ptr.dtype.element_ty, ASM)
         tl.store(optr, dzr, mask=tile_mask)
         dz = dzr.to(tl.float32)  # the sums see exactly what the dx pass will read
     xhat = tl.where(tile_mask, (xt - mu[None, :]) * istd[None, :], 0.0)
@@ -322,21 +389,84 @@ def _dgrad_kernel(
     tl.store(prow + C, tl.sum(dz * xhat, axis=0), mask=n_mask)
 
 
+#: One inline-PTX step per pair of 16-bit activations (x packed in one register, two fp32 scales and
+#: shifts): widen to fp32, one fma each (a single rounding), then round both to 16 bits with ``.relu``
+#: (negatives to 0, NaN kept). Five instructions per pair; Triton's own lowering of the same
+#: expression widens the upper half with two.
+_PREACT_BF16X2 = tl.constexpr("""{
+.reg .b32 lo, hi;
+shl.b32 lo, $1, 16;
+and.b32 hi, $1, 0xffff0000;
+fma.rn.f32 lo, lo, $2, $4;
+fma.rn.f32 hi, hi, $3, $5;
+cvt.rn.relu.bf16x2.f32 $0, hi, lo;
+}""")
+_PREACT_F16X2 = tl.constexpr("""{
+.reg .f16 l, h;
+.reg .f32 zl, zh;
+mov.b32 {l, h}, $1;
+cvt.f32.f16 zl, l;
+cvt.f32.f16 zh, h;
+fma.rn.f32 zl, zl, $2, $4;
+fma.rn.f32 zh, zh, $3, $5;
+cvt.rn.relu.f16x2.f32 $0, zh, zl;
+}""")
+
+
+@triton.jit
+def _preact_t(xt, sc, sh, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """``relu(x·scale + shift)`` of a transposed x tile (channels × rows; ``sc``/``sh`` per row) in
+    DOT_DTYPE: one fp32 fma (a single rounding), then the rounding to DOT_DTYPE. With ASM (compiled
+    16-bit kernels) each pair of values is one inline-PTX step whose ReLU rides on the conversion
+    (``cvt.rn.relu``: clamps negatives to 0, keeps NaN), which equals rounding ``_relu_nan(z)``
+    (rounding is monotone and keeps the sign)."""
+    if ASM and DOT_DTYPE == tl.bfloat16:
+        return tl.inline_asm_elementwise(_PREACT_BF16X2, "=r,r,r,r,r,r",
+                                         [xt, tl.broadcast_to(sc[:, None], xt.shape),
+                                          tl.broadcast_to(sh[:, None], xt.shape)],
+                                         dtype=tl.bfloat16, is_pure=True, pack=2)
+    elif ASM and DOT_DTYPE == tl.float16:
+        return tl.inline_asm_elementwise(_PREACT_F16X2, "=r,r,r,r,r,r",
+                                         [xt, tl.broadcast_to(sc[:, None], xt.shape),
+                                          tl.broadcast_to(sh[:, None], xt.shape)],
+                                         dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        z = tl.fma(xt.to(tl.float32), sc[:, None], sh[:, None])
+        return _relu_nan(z).to(DOT_DTYPE)
+
+
 @triton.jit
 def _wgrad_tile(
     dy_ptr, sdn, sdh, sdw, sdc, x_ptr, sxn, sxh, sxw, sxc, pack_ptr, dw_ptr, swk, swc, swr, sws,
     pid, M, CHUNK,
-    H, W, C, P, Q, K,
+    H, W, C, P, Q, K, Q_MUL, Q_SHR, PQ_MUL, PQ_SHR, CQ, CPQ,
     GROUPS, R: tl.constexpr, S: tl.constexpr,
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
-    DIL_H: tl.constexpr, DIL_W: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
+    DIL_H: tl.constexpr, DIL_W: tl.constexpr, SPLIT_K: tl.constexpr, LINEAR: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, ASM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """One (k-block, c-block, tap, group, split) tile of ``dW[k, c, r, s] = Σ_m dy[m, k] ·
     relu(x[pix(m,r,s), c]·scale[c] + shift[c])`` over rows ``[split·CHUNK, (split+1)·CHUNK)``: stored in
     the weight's dtype and strides without SPLIT_K, else (split-K) as fp32 partials ``dw[split, k, c, r, s]``
-    (the number of splits is the grid's; a runtime value, so it costs no compilation of its own)."""
+    (the number of splits is the grid's; a runtime value, so it costs no compilation of its own).
+
+    Computed transposed, ``dWᵀ[c, k] = Σ_m aᵀ[c, m] · dy[m, k]``: the transformed activation is the
+    MMA's first operand, which the tensor cores read from registers (no shared-memory round trip). The
+    BLOCK_M output channels go in pieces of ``KP = min(BLOCK_M, BLOCK_N)`` (one accumulator each), so a
+    dy piece and the x tile spread their rows over the threads alike and share the row arithmetic.
+    A row whose tap falls into the padding (or past the chunk) has both its x and its dy masked to 0,
+    so it adds ``relu(shift)·0 = 0``: the padded taps contribute nothing, as zeros of the
+    pre-activation would (for a finite shift).
+
+    Rows: with LINEAR (both tensors pixel-linear, H = STRIDE_H·P, W = STRIDE_W·Q) the pointers advance by
+    a constant per row block and the padding test is two fixed-point range tests (``CQ``/``CPQ``, see
+    :func:`_frac_range`); otherwise (n, p, q) come from multiply-shift divisions (``Q_MUL``/``Q_SHR`` by
+    Q, ``PQ_MUL``/``PQ_SHR`` by P·Q). EVEN_M: every row block is full (no row mask without padding);
+    EVEN_K/EVEN_C: the channel blocks tile Kg/Cg exactly (no channel masks)."""
+    KP: tl.constexpr = BLOCK_N if BLOCK_N < BLOCK_M else BLOCK_M
+    NKP: tl.constexpr = BLOCK_M // KP
     Cg = C // GROUPS
     Kg = K // GROUPS
     NKB = tl.cdiv(Kg, BLOCK_M)
@@ -351,43 +481,119 @@ def _wgrad_tile(
     split = rest // GROUPS
     r = rs // S
     s = rs - r * S
-    offs_k = kb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_c = cb * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_mask = offs_k < Kg
     c_mask = offs_c < Cg
-    k_glob = g * Kg + offs_k
     c_in = g * Cg + offs_c
     sc, sh = _scale_shift(pack_ptr, c_in, c_mask, C)  # fixed channels: loaded once, outside the loop
+    dh = r * DIL_H - PAD_H
+    dw_ = s * DIL_W - PAD_W
+    PADDED: tl.constexpr = R * S > 1 or PAD_H > 0 or PAD_W > 0
+    USE_ROWS: tl.constexpr = PADDED or not EVEN_M
     start = split * CHUNK
     end = tl.minimum(start + CHUNK, M)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for m0 in range(start, end, BLOCK_R):
-        offs_m = m0 + tl.arange(0, BLOCK_R)
-        m_mask = offs_m < end
-        q = offs_m % Q
-        p = (offs_m // Q) % P
-        nb = offs_m // (P * Q)
-        if IDX64:
-            nb = nb.to(tl.int64)
-        dyt = tl.load(dy_ptr + (nb * sdn + p * sdh + q * sdw)[None, :] + k_glob[:, None] * sdc,
-                      mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-        ih = p * STRIDE_H - PAD_H + r * DIL_H
-        iw = q * STRIDE_W - PAD_W + s * DIL_W
-        valid = m_mask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        amask = valid[:, None] & c_mask[None, :]
-        xt = tl.load(x_ptr + (nb * sxn + ih * sxh + iw * sxw)[:, None] + c_in[None, :] * sxc, mask=amask, other=0.0)
-        a = _preact(xt, sc, sh, amask)
-        acc = tl.dot(dyt.to(DOT_DTYPE), a.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
-    out_mask = k_mask[:, None] & c_mask[None, :]
-    if not SPLIT_K:
-        optr = dw_ptr + k_glob[:, None] * swk + offs_c[None, :] * swc + r * swr + s * sws
-        tl.store(optr, acc.to(dw_ptr.dtype.element_ty), mask=out_mask)
+    lanes = tl.arange(0, BLOCK_R)
+    if LINEAR:
+        # Output row m reads input pixel STRIDE_H·STRIDE_W·m − STRIDE_W·(STRIDE_H − 1)·(m mod Q) + dh·W + dw,
+        # and the tap is inside the image iff m mod P·Q ∈ [pa·Q, pb·Q) and m mod Q ∈ [qa, qb).
+        lu = (start + lanes).to(tl.uint32, bitcast=True)
+        x_inv = c_in[:, None] * sxc + (lanes * (STRIDE_H * STRIDE_W * sxw))[None, :]
+        x_first = x_ptr + (dh * sxh + dw_ * sxw) + start.to(tl.int64) * (STRIDE_H * STRIDE_W * sxw)
+        dy_first = dy_ptr + start.to(tl.int64) * sdw
+        cq = CQ.to(tl.uint32, bitcast=True)
+        if PADDED:
+            pa = tl.maximum(_cdiv_signed(-dh, STRIDE_H), 0)
+            pb = tl.minimum(_cdiv_signed(H - dh, STRIDE_H), P)
+            qa = tl.maximum(_cdiv_signed(-dw_, STRIDE_W), 0)
+            qb = tl.minimum(_cdiv_signed(W - dw_, STRIDE_W), Q)
+            c_p, off_p, span_p, inv_p = _frac_range(CPQ.to(tl.uint32, bitcast=True), pa * Q, pb * Q, P * Q)
+            c_q, off_q, span_q, inv_q = _frac_range(cq, qa, qb, Q)
+            lp = lu * c_p + off_p
+            lq = lu * c_q + off_q
     else:
-        flat = ((split * K + k_glob[:, None]).to(tl.int64) * Cg + offs_c[None, :]) * (R * S) + rs
-        tl.store(dw_ptr + flat, acc, mask=out_mask)
+        qmul = Q_MUL.to(tl.uint32, bitcast=True)
+        qshr = Q_SHR.to(tl.uint32, bitcast=True)
+        pqmul = PQ_MUL.to(tl.uint32, bitcast=True)
+        pqshr = PQ_SHR.to(tl.uint32, bitcast=True)
+        x_base = x_ptr + c_in[:, None] * sxc
+    # A split past the rows still writes its (zero) partials; every other program runs the loop at least
+    # once, which keeps ptxas from serializing the wgmma pipeline over a zero-trip path (advisory C7515).
+    if start < end:
+        acc0 = tl.zeros([BLOCK_N, KP], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N, KP], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, KP], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_N, KP], dtype=tl.float32)
+        for m0 in range(start, end, BLOCK_R):
+            offs_m = m0 + lanes
+            valid = offs_m < end
+            if LINEAR:
+                it = (m0 - start).to(tl.uint32, bitcast=True)
+                if PADDED:
+                    inside = (((lp + it * c_p) < span_p) != inv_p) & (((lq + it * c_q) < span_q) != inv_q)
+                    valid = inside if EVEN_M else valid & inside
+                rel = m0 - start
+                if IDX64:
+                    rel = rel.to(tl.int64)
+                if STRIDE_H > 1:
+                    q = tl.umulhi(lu * cq + it * cq, Q.to(tl.uint32)).to(tl.int32, bitcast=True)
+                    xp = x_first + rel * (STRIDE_H * STRIDE_W * sxw) + (x_inv - (q * (STRIDE_W * (STRIDE_H - 1) * sxw))[None, :])
+                else:
+                    xp = x_first + rel * (STRIDE_H * STRIDE_W * sxw) + x_inv
+                dy_rows = dy_first + rel * sdw
+                dy_off = (lanes * sdw)[:, None]
+            else:
+                nb = _udiv(offs_m, pqmul, pqshr)
+                idx = offs_m - nb * (P * Q)
+                p = _udiv(idx, qmul, qshr)
+                q = idx - p * Q
+                if IDX64:
+                    nb = nb.to(tl.int64)
+                ih = p * STRIDE_H + dh
+                iw = q * STRIDE_W + dw_
+                if PADDED:
+                    valid &= (ih.to(tl.uint32, bitcast=True) < H) & (iw.to(tl.uint32, bitcast=True) < W)
+                xp = x_base + (nb * sxn + ih * sxh + iw * sxw)[None, :]
+                dy_rows = dy_ptr
+                dy_off = (nb * sdn + p * sdh + q * sdw)[:, None]
+            if USE_ROWS:
+                if EVEN_C:
+                    xt = tl.load(xp, mask=valid[None, :], other=0.0)
+                else:
+                    xt = tl.load(xp, mask=c_mask[:, None] & valid[None, :], other=0.0)
+            else:
+                if EVEN_C:
+                    xt = tl.load(xp)
+                else:
+                    xt = tl.load(xp, mask=c_mask[:, None], other=0.0)
+            at = _preact_t(xt, sc, sh, DOT_DTYPE, ASM)
+            dyt = _dy_piece(dy_rows, dy_off, kb, 0, Kg, g, sdc, valid, USE_ROWS, EVEN_K, KP, BLOCK_M)
+            acc0 = tl.dot(at, dyt.to(DOT_DTYPE), acc0, input_precision=INPUT_PRECISION)
+            if NKP > 1:
+                dyt = _dy_piece(dy_rows, dy_off, kb, 1, Kg, g, sdc, valid, USE_ROWS, EVEN_K, KP, BLOCK_M)
+                acc1 = tl.dot(at, dyt.to(DOT_DTYPE), acc1, input_precision=INPUT_PRECISION)
+            if NKP > 2:
+                dyt = _dy_piece(dy_rows, dy_off, kb, 2, Kg, g, sdc, valid, USE_ROWS, EVEN_K, KP, BLOCK_M)
+                acc2 = tl.dot(at, dyt.to(DOT_DTYPE), acc2, input_precision=INPUT_PRECISION)
+                dyt = _dy_piece(dy_rows, dy_off, kb, 3, Kg, g, sdc, valid, USE_ROWS, EVEN_K, KP, BLOCK_M)
+                acc3 = tl.dot(at, dyt.to(DOT_DTYPE), acc3, input_precision=INPUT_PRECISION)
+        _dw_piece(dw_ptr, acc0, kb, 0, Kg, Cg, K, g, offs_c, c_mask, r, s, rs, split, swk, swc, swr, sws, R, S, SPLIT_K,
+                  KP, BLOCK_M)
+        if NKP > 1:
+            _dw_piece(dw_ptr, acc1, kb, 1, Kg, Cg, K, g, offs_c, c_mask, r, s, rs, split, swk, swc, swr, sws, R, S,
+                      SPLIT_K, KP, BLOCK_M)
+        if NKP > 2:
+            _dw_piece(dw_ptr, acc2, kb, 2, Kg, Cg, K, g, offs_c, c_mask, r, s, rs, split, swk, swc, swr, sws, R, S,
+                      SPLIT_K, KP, BLOCK_M)
+            _dw_piece(dw_ptr, acc3, kb, 3, Kg, Cg, K, g, offs_c, c_mask, r, s, rs, split, swk, swc, swr, sws, R, S,
+                      SPLIT_K, KP, BLOCK_M)
+    elif SPLIT_K:
+        zero = tl.zeros([BLOCK_N, KP], dtype=tl.float32)
+        for j in tl.static_range(NKP):
+            _dw_piece(dw_ptr, zero, kb, j, Kg, Cg, K, g, offs_c, c_mask, r, s, rs, split, swk, swc, swr, sws, R, S,
+                      SPLIT_K, KP, BLOCK_M)
 
 
-@triton.jit(do_not_specialize=("num_parts", "M", "CHUNK", "NUM_WGRAD", "H", "W", "P", "Q"))
+@triton.jit(do_not_specialize=("num_parts", "M", "CHUNK", "NUM_WGRAD", "H", "W", "P", "Q", "Q_MUL", "Q_SHR", "PQ_MUL",
+                                "PQ_SHR", "CQ", "CPQ"))
 def _wgrad_kernel(
     dy_ptr, sdn, sdh, sdw, sdc,
     x_ptr, sxn, sxh, sxw, sxc,
@@ -395,12 +601,13 @@ def _wgrad_kernel(
     dw_ptr, swk, swc, swr, sws,
     psum_ptr, num_parts, gbeta_ptr, ggamma_ptr, coef_ptr, inv_count,
     M, CHUNK, NUM_WGRAD,
-    H, W, C, P, Q, K,
+    H, W, C, P, Q, K, Q_MUL, Q_SHR, PQ_MUL, PQ_SHR, CQ, CPQ,
     GROUPS, R: tl.constexpr, S: tl.constexpr,
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
-    DIL_H: tl.constexpr, DIL_W: tl.constexpr, SPLIT_K: tl.constexpr,
+    DIL_H: tl.constexpr, DIL_W: tl.constexpr, SPLIT_K: tl.constexpr, LINEAR: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
     SUM_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, ASM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
@@ -417,8 +624,9 @@ def _wgrad_kernel(
     pid = tl.program_id(0)
     if pid < NUM_WGRAD:
         _wgrad_tile(dy_ptr, sdn, sdh, sdw, sdc, x_ptr, sxn, sxh, sxw, sxc, pack_ptr, dw_ptr, swk, swc, swr, sws,
-                    pid, M, CHUNK, H, W, C, P, Q, K, GROUPS, R, S, STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W,
-                    SPLIT_K, DOT_DTYPE, INPUT_PRECISION, IDX64, BLOCK_M, BLOCK_N, BLOCK_R)
+                    pid, M, CHUNK, H, W, C, P, Q, K, Q_MUL, Q_SHR, PQ_MUL, PQ_SHR, CQ, CPQ, GROUPS, R, S,
+                    STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SPLIT_K, LINEAR, EVEN_M, EVEN_K, EVEN_C,
+                    DOT_DTYPE, INPUT_PRECISION, IDX64, ASM, BLOCK_M, BLOCK_N, BLOCK_R)
     elif SUM_MODE != 0:
         cols = (pid - NUM_WGRAD) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C

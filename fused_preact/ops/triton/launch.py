@@ -20,7 +20,7 @@ from fused_preact.ops.triton import kernels_bn as BK
 from fused_preact.ops.triton import kernels_conv as CK
 from fused_preact.ops.triton.configs import FOLD_BLOCK, GemmConfig, UnitPlan, p2
 
-__all__ = ["Launch", "recording", "stats_partial", "finalize", "fprop", "dgrad", "wgrad", "dx"]
+__all__ = ["Launch", "recording", "magic", "stats_partial", "finalize", "fprop", "dgrad", "wgrad", "dx"]
 
 
 @dataclasses.dataclass
@@ -54,6 +54,43 @@ def recording() -> Iterator[list]:
 
 def _record(name: str, fn, grid: tuple, args: tuple, kwargs: dict) -> None:
     _recorder.append(Launch(name, fn, grid, args, kwargs))
+
+
+def magic(d: int) -> tuple[int, int]:
+    """Multiplier and shift that divide by ``d`` without a division instruction (round-up method,
+    Granlund & Montgomery, PLDI 1994): for every ``0 <= n < 2**31``,
+    ``n // d == (umulhi(n, mul) + n) >> shr`` in 32-bit unsigned arithmetic, where
+    ``mul + 2**32 = ceil(2**(32 + shr) / d)`` and ``shr = ceil(log2 d)`` (the sum stays below 2**32).
+    ``mul`` is returned as the int32 with the same bits, so it always binds as an ``i32`` argument.
+
+    Raises:
+        ValueError: ``d`` is not in ``[1, 2**31)``.
+    """
+    if not 1 <= d < 2**31:
+        raise ValueError(f"magic: divisor {d} not in [1, 2**31)")
+    shr = (d - 1).bit_length()
+    mul = -(-(1 << (32 + shr)) // d) - (1 << 32)
+    return (mul - (1 << 32) if mul >= 1 << 31 else mul), shr
+
+
+def frac(d: int) -> int:
+    """``ceil(2**32 / d) mod 2**32`` as the int32 with the same bits: the fixed-point reciprocal of the
+    wgrad kernel's range tests on ``n mod d`` (``_frac_range``)."""
+    c = -(-(1 << 32) // d) & 0xFFFFFFFF
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def _linear(g: ConvGeom, in_shape, out_shape, in_strides, out_strides, rows: int) -> bool:
+    """Whether the wgrad kernel's pixel-linear path applies: both tensors pixel-linear ((n, h, w)
+    strides of an NHWC layout with any pixel stride), input sizes exactly stride × output sizes, and
+    ``rows`` (the largest row index the kernel forms) small enough for exact fixed-point range tests
+    on ``m mod Q`` and ``m mod P·Q`` (``(rows + d)·d < 2**32``)."""
+    _, _, H, W = in_shape
+    _, _, P, Q = out_shape
+    sxn, sxh, sxw, _ = in_strides
+    sdn, sdh, sdw, _ = out_strides
+    return ((H, W) == (g.stride[0] * P, g.stride[1] * Q) and sxn == H * sxh and sxh == W * sxw
+            and sdn == P * sdh and sdh == Q * sdw and (rows + P * Q) * P * Q < 2**32 and Q < 2**16)
 
 
 def _block_c(C: int) -> int:
@@ -159,10 +196,12 @@ def dgrad(u: UnitPlan, *, dy: torch.Tensor, dy_strides, w: torch.Tensor, x: torc
     w2_strides = w2.stride()[:2] if w2 is not None else (0, 0)
     args = (dy, *dy_strides, w, *w.stride(), dy2, *dy2_strides, w2, *w2_strides, x, *u.in_strides, pack,
             out, *out_strides, res, *res_strides, psum, u.M_in)
+    block_k2 = p2(K2, 16, 256 if interpreting() else cfg.BLOCK_K)
     kw = dict(**_geo(g, u.in_shape, u.out_shape), P2=dy2_shape[2], Q2=dy2_shape[3], K2=K2, STRIDE2=proj_stride,
-              HAS_PROJ=w2 is not None, WRITE_DX=write_dx, HAS_RES=res is not None, **_dot(cdtype, idx64),
-              BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-              BLOCK_K2=p2(K2, 16, 256 if interpreting() else cfg.BLOCK_K),
+              HAS_PROJ=w2 is not None, WRITE_DX=write_dx, HAS_RES=res is not None,
+              EVEN_K=u.out_shape[1] // g.groups % cfg.BLOCK_K == 0, EVEN_N=C // g.groups % cfg.BLOCK_N == 0,
+              EVEN_K2=K2 % block_k2 == 0, **_dot(cdtype, idx64), ASM=not interpreting(),
+              BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, BLOCK_K2=block_k2,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if _recorder is not None:
         _record("dgrad", CK._dgrad_kernel, grid, args, kw)
@@ -200,8 +239,14 @@ def wgrad(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmConfig, s
     # split-K partials are.
     args = (dy, *dy_strides, x, *in_strides, pack, dw if dw is not None else psum, *dw_strides, psum, num_parts,
             dbeta, dgamma, coef, inv_count, M, chunk, n_wg)
-    kw = dict(**_geo(g, in_shape, out_shape), SPLIT_K=split > 1, SUM_MODE=sum_mode, HAS_GAMMA=dgamma is not None,
-              **_dot(cdtype, idx64), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_R=cfg.BLOCK_K,
+    q_mul, q_shr = magic(Q)
+    pq_mul, pq_shr = magic(P * Q)
+    kw = dict(**_geo(g, in_shape, out_shape), Q_MUL=q_mul, Q_SHR=q_shr, PQ_MUL=pq_mul, PQ_SHR=pq_shr,
+              CQ=frac(Q), CPQ=frac(P * Q), SPLIT_K=split > 1,
+              LINEAR=_linear(g, in_shape, out_shape, in_strides, dy_strides, M + cfg.BLOCK_K),
+              EVEN_M=M % cfg.BLOCK_K == 0, EVEN_K=K // g.groups % cfg.BLOCK_M == 0,
+              EVEN_C=C // g.groups % cfg.BLOCK_N == 0, SUM_MODE=sum_mode, HAS_GAMMA=dgamma is not None,
+              **_dot(cdtype, idx64), ASM=not interpreting(), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_R=cfg.BLOCK_K,
               BLOCK_C=block_c if fold else 16, BLOCK_P=_block_p(num_parts) if fold else 16,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if _recorder is not None:

@@ -1,0 +1,95 @@
+"""Jit helpers of the gradient kernels (:mod:`fused_preact.ops.triton.kernels_conv`): division-free row
+arithmetic (multiply-shift division, fixed-point range tests), the wgrad kernel's operand pieces and
+the rounding of the dgrad epilogue.
+
+Sources: Granlund & Montgomery, "Division by invariant integers using multiplication" (PLDI 1994) for
+:func:`_udiv`; Lemire, Kaser & Kurz, "Faster remainder by direct computation" (2019) for
+:func:`_frac_range`.
+"""
+
+from __future__ import annotations
+
+from fused_preact.ops._common import tl, triton
+
+
+@triton.jit
+def _udiv(n, mul, shr):
+    """``n // d`` for int32 ``0 <= n < 2**31`` by multiply-high and shift, with ``(mul, shr)`` from
+    :func:`fused_preact.ops.triton.launch.magic` (``d`` given on the host; no division instruction)."""
+    nu = n.to(tl.uint32, bitcast=True)
+    return ((tl.umulhi(nu, mul) + nu) >> shr).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _cdiv_signed(a, B: tl.constexpr):
+    """``ceil(a / B)`` for an int32 ``a`` of either sign and a constant ``B > 0``."""
+    return tl.where(a > 0, (a + (B - 1)) // B, -((-a) // B))
+
+
+@triton.jit
+def _frac_range(c, a, b, d):
+    """Constants of a range test ``a <= r < b`` on ``r = n mod d`` by fixed-point fractions: with
+    ``c = ceil(2**32 / d)`` (mod 2**32, so 0 for d = 1), ``L(n) = c·n mod 2**32`` lies in
+    ``[c·r, c·r + c)`` while ``(n + d)·d < 2**32`` (Lemire, Kaser & Kurz, "Faster remainder by direct
+    computation", 2019). Returns ``(c_eff, off, span, inv)`` such that the test is
+    ``((c_eff·n + off) mod 2**32 < span) != inv`` (unsigned): a range reaching d is the complement of
+    ``[0, a)`` (a shifted window would wrap into it); a full or empty range gives ``c_eff = 0``.
+    L is linear in n, so stepping a row block is one add."""
+    full = (a <= 0) & (b >= d)
+    empty = b <= a
+    to_end = (b >= d) & (a > 0)
+    c_eff = tl.where(full | empty, 0, c).to(tl.uint32)
+    lo = tl.maximum(a, 0).to(tl.uint32)
+    span = tl.where(full, 1, tl.where(empty, 0, tl.where(to_end, c * lo, c * (b.to(tl.uint32) - lo))))
+    off = tl.where(to_end, 0, 0 - c_eff * lo)
+    return c_eff, off.to(tl.uint32), span.to(tl.uint32), to_end
+
+
+@triton.jit
+def _dy_piece(dy_ptr, off, kb, j: tl.constexpr, Kg, g, sdc, valid, USE_ROWS: tl.constexpr, EVEN_K: tl.constexpr,
+              KP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Load piece ``j`` (output channels ``[kb·BLOCK_M + j·KP, … + KP)``) of the dy row block at element
+    offsets ``off`` (rows × 1, broadcast), rows masked by ``valid`` when USE_ROWS."""
+    offs_k = kb * BLOCK_M + j * KP + tl.arange(0, KP)
+    ptrs = dy_ptr + off + ((g * Kg + offs_k) * sdc)[None, :]
+    if USE_ROWS:
+        if EVEN_K:
+            return tl.load(ptrs, mask=valid[:, None], other=0.0)
+        else:
+            return tl.load(ptrs, mask=valid[:, None] & (offs_k < Kg)[None, :], other=0.0)
+    else:
+        if EVEN_K:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=(offs_k < Kg)[None, :], other=0.0)
+
+
+@triton.jit
+def _dw_piece(dw_ptr, acc, kb, j: tl.constexpr, Kg, Cg, K, g, offs_c, c_mask, r, s, rs, split, swk, swc, swr, sws,
+              R: tl.constexpr, S: tl.constexpr, SPLIT_K: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Store the accumulator of piece ``j`` (input channels × output channels) into dW (transposed
+    through the strides) or, with SPLIT_K, into the fp32 partials ``[split, k, c, r, s]``."""
+    offs_k = kb * BLOCK_M + j * KP + tl.arange(0, KP)
+    k_glob = g * Kg + offs_k
+    mask = c_mask[:, None] & (offs_k < Kg)[None, :]
+    if not SPLIT_K:
+        tl.store(dw_ptr + k_glob[None, :] * swk + offs_c[:, None] * swc + r * swr + s * sws,
+                 acc.to(dw_ptr.dtype.element_ty), mask=mask)
+    else:  # a weight-sized slice is < 2**31 elements: int32 offsets from an int64 base
+        base = dw_ptr + (split.to(tl.int64) * K * Cg * (R * S) + rs)
+        tl.store(base + (k_glob[None, :] * Cg + offs_c[:, None]) * (R * S), acc, mask=mask)
+
+
+@triton.jit
+def _round_to(v, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """``v.to(DTYPE)`` (round to nearest even). With ASM (compiled kernels) a 16-bit DTYPE rounds pairs
+    with ``cvt.rn.{bf16x2,f16x2}.f32``: ptxas serializes the wgmma pipeline of a kernel whose
+    epilogue rounds accumulator registers one by one (performance advisory C7514)."""
+    if ASM and DTYPE == tl.bfloat16:
+        return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [v], dtype=tl.bfloat16,
+                                         is_pure=True, pack=2)
+    elif ASM and DTYPE == tl.float16:
+        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [v], dtype=tl.float16,
+                                         is_pure=True, pack=2)
+    else:
+        return v.to(DTYPE)
