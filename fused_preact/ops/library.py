@@ -24,6 +24,7 @@ import torch
 
 from fused_preact.ops.chain import ChainResult
 from fused_preact.ops.spec import BNMode, ChainSpec, ChainTensors, ConvGeom, GradNeeds, SavedChain
+from fused_preact.ops.triton.kernels_conv import PACK_ROWS, PACK_SHIFT
 from fused_preact.ops.triton.plan import TritonPlan
 
 __all__ = ["compiled_chain", "encode_key", "decode_key"]
@@ -92,6 +93,8 @@ def _chain_forward(x: torch.Tensor, tensors: list[torch.Tensor], floats: list[fl
     for name, region in zip(plan.aux_names, fwd.saved.aux):  # only the packs carry data: the rest deterministic
         if not name.startswith("pack"):
             region.zero_()
+        else:  # rows past the BatchNorm's: the fprop kernel's scratch (unwritten for fp32 inputs)
+            region.view(PACK_ROWS, -1)[PACK_SHIFT + 1:].zero_()
     proj_out = fwd.proj_out if fwd.proj_out is not None else x.new_empty(0)
     return [fwd.out, proj_out, fwd.saved.aux_base, *fwd.saved.inputs[1:]]
 

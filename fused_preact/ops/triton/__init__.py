@@ -1,4 +1,4 @@
-"""The Triton backend: ``kernels_conv`` (fprop, dgrad, wgrad) and ``kernels_bn`` (statistics, finalize,
-dx) → ``launch`` (one launcher per kernel) → ``plan`` (:class:`~.plan.TritonPlan`: shapes, buffers and
-the order of launches), with ``configs`` (tile rules, autotune spaces) and ``tuning`` (the on-disk
-autotune cache)."""
+"""The Triton backend: ``kernels_fprop`` (fprop), ``kernels_conv`` (dgrad, wgrad, the shared transform
+helpers) and ``kernels_bn`` (statistics, finalize, dx) → ``launch`` (one launcher per kernel) → ``plan``
+(:class:`~.plan.TritonPlan`: shapes, buffers and the order of launches), with ``configs`` (tile rules,
+autotune spaces) and ``tuning`` (the on-disk autotune cache)."""

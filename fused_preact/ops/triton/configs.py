@@ -45,22 +45,21 @@ class GemmConfig:
         return f"{self.BLOCK_M}x{self.BLOCK_N}x{self.BLOCK_K}_w{self.num_warps}_s{self.num_stages}"
 
 
-def _gpu_gemm(m: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig:
-    if dtype == torch.float32:  # fp32 operands (TF32 MMA) need twice the registers: 64×64 tiles
-        return GemmConfig(64, p2(n, 16, 64), p2(k, 16, 32), 4, 4)
-    block_m = 128 if m >= 8 * 128 else 64
-    block_n = p2(n, 16, 128)
-    block_k = p2(k, 16, 64)
-    # 8 warps from 128×64 up: with 4 warps a 128×64×64 tile needs 255 registers (no margin).
-    warps = 8 if block_m * block_n >= 128 * 64 else 4
-    return GemmConfig(block_m, block_n, block_k, warps, 3)
-
-
 def fprop_config(M: int, Kg: int, Cg: int, dtype: torch.dtype, stats: bool) -> GemmConfig:
-    """Default fprop tiles for an (M × Cg·R·S)·(… × Kg) implicit GEMM (M = N·P·Q output pixels)."""
+    """Default fprop tiles for an (M × Cg·R·S)·(… × Kg) implicit GEMM (M = N·P·Q output pixels).
+
+    16-bit: one warpgroup (4 warps; with 8, Triton's loop has a third barrier per iteration) and 128
+    MMA rows per warpgroup where the output channels are few: 128×64 tiles up to Kg = 64, 64×128 from
+    Kg = 128 (64×256 sits at the 255-register limit and spills); 64-row tiles for M < 1024. fp32
+    operands (TF32 MMA) need twice the registers: 64×64 tiles."""
     if interpreting():
         return GemmConfig(p2(M, 16, INTERP_SUM_ROWS if stats else 4096), p2(Kg, 16, 256), p2(Cg, 16, 256))
-    return _gpu_gemm(M, Kg, Cg, dtype)
+    if dtype == torch.float32:
+        return GemmConfig(64, p2(Kg, 16, 64), p2(Cg, 16, 32), 4, 4)
+    block_n = 128 if Kg >= 128 else p2(Kg, 16, 64)
+    block_m = 64 if block_n == 128 or M < 8 * 128 else 128
+    block_k = p2(Cg, 16, 64)
+    return GemmConfig(block_m, block_n, block_k, 4, 3 if block_k == 64 else 4)
 
 
 def dgrad_config(M: int, Cg: int, Kg: int, dtype: torch.dtype) -> GemmConfig:
@@ -87,10 +86,9 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype) -> GemmConfig:
     return GemmConfig(p2(Kg, 16, 128), 64, 64, 4, 3)
 
 
-#: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of fprop; BLOCK_K halves for fp32 operands. No spills on
-#: sm_90 or sm_80 in any epilogue variant.
-_FPROP_SPACE = ((128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 8, 3), (128, 64, 32, 8, 4),
-                (64, 64, 64, 4, 4), (64, 64, 32, 4, 4))
+#: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of fprop; BLOCK_K halves for fp32 operands. One warpgroup
+#: each (see :func:`fprop_config`); no spills on sm_90 or sm_80 in any epilogue variant.
+_FPROP_SPACE = ((128, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 128, 32, 4, 4), (64, 64, 64, 4, 4))
 #: dgrad: 64-row tiles (its epilogue holds accumulator, x, mask and x̂ at once; 128-row tiles spill);
 #: 64-deep reduction steps (32-deep ones spend more than the tensor-core time on the loop's fixed cost).
 _DGRAD_SPACE = ((64, 128, 64, 4, 3), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4))

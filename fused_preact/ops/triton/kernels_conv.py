@@ -1,4 +1,5 @@
-"""Triton kernels of the fused BN→ReLU→Conv2d: fprop, dgrad and wgrad as implicit GEMMs (fp32 accumulation).
+"""Triton kernels of the fused BN→ReLU→Conv2d: dgrad and wgrad as implicit GEMMs (fp32 accumulation), and
+the transform helpers they share with the fprop kernel (:mod:`.kernels_fprop`).
 
 Every kernel walks its whole reduction — filter taps × channel chunks — as ONE flat loop, so Triton
 software-pipelines it (``num_stages``): the loads of iteration i+1.. are in flight while iteration i
@@ -14,7 +15,7 @@ split-K count is a runtime value too).
 Tensors (logical shapes; every activation is addressed through its (n, h, w, c) strides, so NCHW and
 channels_last inputs and expanded gradients are read in place):
     x         (N, H, W, C)   BN input of the conv            w   (K, C/groups, R, S) weight, any strides
-    y, dy     (N, P, Q, K)   conv output / its gradient      pack (5, C) fp32: mean, var, invstd, scale, shift
+    y, dy     (N, P, Q, K)   conv output / its gradient      pack (8, C) fp32: mean, var, invstd, scale, shift, scratch
     part      (tiles, 2, K)  fp32 per-tile (mean, M2) of y   psum (tiles, 2, C) fp32 per-tile (Σdz, Σdz·x̂)
 
 The pre-activation is ``a = relu(x·scale + shift)`` with PyTorch's NaN semantics (``relu(NaN) = NaN``,
@@ -28,12 +29,14 @@ Source of the dataflow: docs/design.md; semantics: ``F.batch_norm`` → ``F.relu
 from __future__ import annotations
 
 from fused_preact.ops._common import tl, triton
-from fused_preact.ops.triton.kernels_bn import tile_mean_m2
 from fused_preact.ops.triton.kernels_grad import _cdiv_signed, _dw_piece, _dy_piece, _frac_range, _round_to, _udiv
 
 # Rows of a pack: per-channel fp32 vectors of one BatchNorm, written by the finalize kernel.
 PACK_MEAN, PACK_VAR, PACK_INVSTD, PACK_SCALE, PACK_SHIFT = 0, 1, 2, 3, 4
-PACK_ROWS = 5
+#: Rows PACK_ROWS16.. (three rows of C fp32 words) are the fprop kernel's scratch: the 16-bit prologue
+#: vectors it derives from rows 0-4 (``kernels_fprop._write_pack16``).
+PACK_ROWS16 = tl.constexpr(5)
+PACK_ROWS = 8
 
 
 @triton.jit
@@ -43,11 +46,22 @@ def _relu_nan(z):
 
 
 @triton.jit
+def _load_row(ptrs, mask):
+    """``tl.load(ptrs)`` where ``mask`` is None, else masked with 0 for the masked-off entries."""
+    if mask is None:
+        v = tl.load(ptrs)
+    else:
+        v = tl.load(ptrs, mask=mask, other=0.0)
+    return v
+
+
+@triton.jit
 def _scale_shift(pack_ptr, chans, cmask, C):
-    """The pack's scale and shift rows at channels ``chans`` (0 where ``cmask`` is False). Masked loads
-    of contiguous channels (not clamped indices), so the compiler can prove contiguity: vector loads."""
-    sc = tl.load(pack_ptr + 3 * C + chans, mask=cmask, other=0.0)
-    sh = tl.load(pack_ptr + 4 * C + chans, mask=cmask, other=0.0)
+    """The pack's scale and shift rows at channels ``chans`` (0 where ``cmask`` is False; ``cmask`` None:
+    every channel exists). Masked loads of contiguous channels (not clamped indices), so the compiler
+    can prove contiguity: vector loads."""
+    sc = _load_row(pack_ptr + 3 * C + chans, cmask)
+    sh = _load_row(pack_ptr + 4 * C + chans, cmask)
     return sc, sh
 
 
@@ -67,100 +81,6 @@ def _preact_tile(x_ptr, rows, chans, mask, sxc, pack_ptr, cmask, C):
     xt = tl.load(x_ptr + rows[:, None] + chans[None, :] * sxc, mask=mask, other=0.0)
     sc, sh = _scale_shift(pack_ptr, chans, cmask, C)
     return _preact(xt, sc, sh, mask)
-
-
-@triton.jit(do_not_specialize=("M", "H", "W", "P", "Q", "H2", "W2"))
-def _fprop_kernel(
-    x_ptr, sxn, sxh, sxw, sxc,
-    w_ptr, swk, swc, swr, sws,
-    pack_ptr, bias_ptr,
-    xin_ptr, sin_n, sin_h, sin_w, sin_c,
-    w2_ptr, sw2k, sw2c, pack2_ptr,
-    y_ptr, syn, syh, syw, syc,
-    part_ptr,
-    M,
-    H, W, C, P, Q, K,
-    GROUPS, R: tl.constexpr, S: tl.constexpr,
-    STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
-    DIL_H: tl.constexpr, DIL_W: tl.constexpr,
-    H2, W2, C2, STRIDE2: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_RES: tl.constexpr, STATS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
-):
-    """``y[m, k] = Σ_{r,s,c} relu(x[pix(m,r,s), c]·scale[c] + shift[c]) · w[k, c, r, s]`` (+ bias[k]).
-
-    Options: HAS_PROJ adds a second GEMM into the same accumulator — a 1×1, stride-``STRIDE2``
-    projection shortcut ``w2`` (K, C2) over the pre-activation of the chain input ``xin`` (its own
-    ``pack2``), so the shortcut's output is never stored; HAS_RES adds ``xin`` itself (identity
-    shortcut) in the epilogue; STATS writes the tile's per-channel mean and M2 of the stored (rounded)
-    y into row ``pid_m`` of ``part`` — the partial statistics of the next BatchNorm.
-    Grid: (cdiv(M, BLOCK_M), cdiv(K/GROUPS, BLOCK_N), GROUPS).
-    """
-    Cg = C // GROUPS
-    Kg = K // GROUPS
-    NUM_CK = tl.cdiv(Cg, BLOCK_K)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    g = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < M
-    n_mask = offs_n < Kg
-    k_out = g * Kg + offs_n
-    q = offs_m % Q
-    p = (offs_m // Q) % P
-    nb = offs_m // (P * Q)
-    if IDX64:
-        nb = nb.to(tl.int64)
-    ih0 = p * STRIDE_H - PAD_H
-    iw0 = q * STRIDE_W - PAD_W
-    base = nb * sxn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for t in range(R * S * NUM_CK):
-        if R * S == 1:  # a 1×1 filter: no tap terms (they would hide the weight's alignment)
-            c0 = t * BLOCK_K
-            r = 0
-            s = 0
-        else:
-            rs = t // NUM_CK
-            c0 = (t - rs * NUM_CK) * BLOCK_K
-            r = rs // S
-            s = rs - r * S
-        ih = ih0 + r * DIL_H
-        iw = iw0 + s * DIL_W
-        valid = m_mask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        offs_c = c0 + tl.arange(0, BLOCK_K)
-        c_mask = offs_c < Cg
-        c_in = g * Cg + offs_c
-        a = _preact_tile(x_ptr, base + ih * sxh + iw * sxw, c_in, valid[:, None] & c_mask[None, :], sxc,
-                         pack_ptr, c_mask, C)
-        wt = tl.load(w_ptr + k_out[None, :] * swk + offs_c[:, None] * swc + r * swr + s * sws,
-                     mask=c_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a.to(DOT_DTYPE), wt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
-    if HAS_PROJ:
-        # Projection shortcut: 1×1, stride STRIDE2, no padding, on the chain input (groups == 1).
-        row2 = nb * sin_n + (p * STRIDE2) * sin_h + (q * STRIDE2) * sin_w
-        for c0 in range(0, C2, BLOCK_K2):
-            offs_c = c0 + tl.arange(0, BLOCK_K2)
-            c_mask = offs_c < C2
-            a2 = _preact_tile(xin_ptr, row2, offs_c, m_mask[:, None] & c_mask[None, :], sin_c,
-                              pack2_ptr, c_mask, C2)
-            wt2 = tl.load(w2_ptr + k_out[None, :] * sw2k + offs_c[:, None] * sw2c,
-                          mask=c_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot(a2.to(DOT_DTYPE), wt2.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
-    y_mask = m_mask[:, None] & n_mask[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + k_out, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_RES:
-        rrow = nb * sin_n + p * sin_h + q * sin_w
-        acc += tl.load(xin_ptr + rrow[:, None] + k_out[None, :] * sin_c, mask=y_mask, other=0.0).to(tl.float32)
-    yrow = nb * syn + p * syh + q * syw
-    yv = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + yrow[:, None] + k_out[None, :] * syc, yv, mask=y_mask)
-    if STATS:  # statistics of the stored (rounded) values: what the next BatchNorm reads
-        tile_mean_m2(yv.to(tl.float32), y_mask, tl.minimum(M - pid_m * BLOCK_M, BLOCK_M),
-                     part_ptr + pid_m.to(tl.int64) * (2 * K) + k_out, n_mask, K)
 
 
 @triton.jit(do_not_specialize=("M", "H", "W", "P", "Q", "P2", "Q2"))

@@ -18,6 +18,7 @@ from fused_preact.ops._common import dot_dtype, input_precision, interpreting, t
 from fused_preact.ops.spec import BNMode, ConvGeom
 from fused_preact.ops.triton import kernels_bn as BK
 from fused_preact.ops.triton import kernels_conv as CK
+from fused_preact.ops.triton import kernels_fprop as FK
 from fused_preact.ops.triton.configs import FOLD_BLOCK, GemmConfig, UnitPlan, p2
 
 __all__ = ["Launch", "recording", "magic", "stats_partial", "finalize", "fprop", "dgrad", "wgrad", "dx"]
@@ -169,14 +170,19 @@ def fprop(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Tensor, 
     w2_strides = proj_w.stride()[:2] if proj_w is not None else (0, 0)
     args = (x, *u.in_strides, w, *w.stride(), pack, bias, x0, *x0_strides, proj_w, *w2_strides, pack0,
             y, *u.out_strides, part, u.M_out)
+    block_k2 = p2(C2, 16, 256 if interpreting() else cfg.BLOCK_K)
+    Cg, Kg = u.in_shape[1] // g.groups, K // g.groups
+    even_c = Cg % cfg.BLOCK_K == 0 and (proj_w is None or C2 % block_k2 == 0)
+    pro16 = 0 if cdtype not in (torch.float16, torch.bfloat16) else 1 if interpreting() else 2
     kw = dict(**_geo(g, u.in_shape, u.out_shape), H2=x0_shape[2], W2=x0_shape[3], C2=C2, STRIDE2=proj_stride,
               HAS_BIAS=bias is not None, HAS_PROJ=proj_w is not None, HAS_RES=residual, STATS=part is not None,
-              **_dot(cdtype, idx64), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
-              BLOCK_K2=p2(C2, 16, 256 if interpreting() else cfg.BLOCK_K), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+              **_dot(cdtype, idx64), PRO16=pro16, EVEN_C=even_c, EVEN_N=Kg % cfg.BLOCK_N == 0,
+              BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, BLOCK_K2=block_k2,
+              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if _recorder is not None:
-        _record(name, CK._fprop_kernel, grid, args, kw)
+        _record(name, FK._fprop_kernel, grid, args, kw)
     else:
-        CK._fprop_kernel[grid](*args, **kw)
+        FK._fprop_kernel[grid](*args, **kw)
 
 
 # ----------------------------------------------------------------------------------------- dgrad

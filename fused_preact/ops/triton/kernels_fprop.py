@@ -1,0 +1,353 @@
+"""Triton fprop kernel of the fused BN→ReLU→Conv2d: ``y = conv(relu(x·scale + shift), w)`` as an
+implicit GEMM (fp32 accumulation), with the statistics / residual / projection epilogues.
+
+Main loop (one flat loop, channel chunks outer and filter taps inner, software-pipelined by Triton):
+every iteration loads an x tile (``BLOCK_M`` output pixels × ``BLOCK_K`` channels of one tap) and a
+weight tile, transforms the x tile and feeds the tensor cores. Counters replace divisions; the row
+addresses are loop-invariant and an iteration adds one scalar offset.
+
+The transform of 16-bit inputs (:func:`_preact16`) runs in packed 16-bit arithmetic, two elements per
+instruction, on the tile in the MMA operand layout (Triton reads the tile from shared memory straight
+into the wgmma/mma registers; no layout round trip). It is BatchNorm centred on a representable mean:
+
+    a = relu((x − m̃)·s̃ + b̃),   m̃ = DT(mean), s̃ = DT(scale), b̃ = DT(shift + m̃·scale)
+
+(``DT`` the input dtype; the subtraction is exact for x within a factor 2 of m̃, so a mean large
+against the spread costs no accuracy; the multiply-add rounds once, like eager's fp32 ``x·scale +
+shift`` rounded to DT). fp16 scales beyond fp16's range: the vectors are scaled by 2^−e (e from the
+largest |s|, |b| of the call) and the accumulator by 2^e in the epilogue, both exact. The vectors are
+derived once per program from the fp32 pack into the pack's scratch rows (identical values from every
+program). fp32 inputs keep the fp32 transform (``kernels_conv._preact``).
+
+Padding: a padded tap reads a clamped in-bounds pixel and the transform zeroes it (a padded ``a`` is
+0, not ``relu(shift)``); the row mask reaches the transform as loaded data (a −1 word loaded with the
+padding as its mask), which is what lets Triton keep the transform in the operand layout.
+
+Semantics: ``F.batch_norm`` → ``F.relu`` (``relu(NaN) = NaN``, ``relu(−inf) = 0``) → ``F.conv2d``.
+"""
+
+from __future__ import annotations
+
+from fused_preact.ops._common import tl, triton
+from fused_preact.ops.triton.kernels_bn import tile_mean_m2
+from fused_preact.ops.triton.kernels_conv import PACK_ROWS16, _load_row, _preact, _relu_nan, _scale_shift
+
+#: fp16 vectors are scaled below 2**15 (< 65504 after rounding).
+_FP16_EXP_LIMIT = tl.constexpr(127 + 14)
+
+
+@triton.jit
+def _load_tile(ptrs, mask_a, mask_b):
+    """``tl.load(ptrs)`` masked by ``mask_a & mask_b`` (0 elsewhere), either of which may be None."""
+    if mask_a is None:
+        if mask_b is None:
+            v = tl.load(ptrs)
+        else:
+            v = tl.load(ptrs, mask=mask_b, other=0.0)
+    else:
+        if mask_b is None:
+            v = tl.load(ptrs, mask=mask_a, other=0.0)
+        else:
+            v = tl.load(ptrs, mask=mask_a & mask_b, other=0.0)
+    return v
+
+
+@triton.jit
+def _pack16_ptrs(pack_ptr, C, DT: tl.constexpr):
+    """(16-bit vectors, the −1 word) in a pack's scratch rows: −m̃, s̃, b̃ (C values of ``DT`` each,
+    contiguous), then one int32 word −1 (the row mask of the padded transform)."""
+    v16 = (pack_ptr + PACK_ROWS16 * C).to(tl.pointer_type(DT), bitcast=True)
+    ones = (pack_ptr + PACK_ROWS16 * C + (3 * C + 1) // 2).to(tl.pointer_type(tl.int32), bitcast=True)
+    return v16, ones
+
+
+@triton.jit
+def _pack16_absmax(pack_ptr, c_lo, n_ch, C, DT: tl.constexpr, BLOCK: tl.constexpr):
+    """Largest finite |scale| and |shift + m̃·scale| over channels ``[c_lo, c_lo + n_ch)`` (0 if none)."""
+    mx = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(c_lo, c_lo + n_ch, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        cm = cols < c_lo + n_ch
+        mean = tl.load(pack_ptr + cols, mask=cm, other=0.0)
+        scale = tl.load(pack_ptr + 3 * C + cols, mask=cm, other=0.0)
+        shift = tl.load(pack_ptr + 4 * C + cols, mask=cm, other=0.0)
+        v = tl.maximum(tl.abs(scale), tl.abs(tl.fma(mean.to(DT).to(tl.float32), scale, shift)))
+        mx = tl.maximum(mx, tl.where(v < float("inf"), v, 0.0))  # NaN and inf: not counted
+    return tl.max(mx, axis=0)
+
+
+@triton.jit
+def _pow2_exponent(absmax):
+    """e ≥ 0 such that absmax·2^−e < 2^15: the biased fp32 exponent of ``absmax`` beyond 127 + 14."""
+    return tl.maximum(((absmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - _FP16_EXP_LIMIT, 0)
+
+
+@triton.jit
+def _scale_exponent(pack_ptr, C, pack2_ptr, C2, HAS_PROJ: tl.constexpr, DT: tl.constexpr):
+    """The call's e (:func:`_pow2_exponent`) over every channel of ``pack`` and, with HAS_PROJ,
+    ``pack2``: one e for all programs and groups, so every program writes the same scratch values."""
+    mx = _pack16_absmax(pack_ptr, 0, C, C, DT, 256)
+    if HAS_PROJ:
+        mx = tl.maximum(mx, _pack16_absmax(pack2_ptr, 0, C2, C2, DT, 256))
+    return _pow2_exponent(mx)
+
+
+@triton.jit
+def _pow2(e):
+    """2^e as fp32 for an int32 e in [−126, 127] (exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _write_pack16(pack_ptr, c_lo, n_ch, C, down, DT: tl.constexpr, BLOCK: tl.constexpr):
+    """Write the 16-bit transform vectors of channels ``[c_lo, c_lo + n_ch)`` into the pack's scratch
+    rows (:func:`_pack16_ptrs`): −m̃, s̃·2^−e and b̃·2^−e (``down`` = 2^−e, exact), each rounded once
+    from fp32; and the −1 word. Every program writes the same values; a CTA barrier after the call
+    makes them visible to the program's own loads."""
+    v16, ones = _pack16_ptrs(pack_ptr, C, DT)
+    for c0 in range(c_lo, c_lo + n_ch, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        cm = cols < c_lo + n_ch
+        mean = tl.load(pack_ptr + cols, mask=cm, other=0.0)
+        scale = tl.load(pack_ptr + 3 * C + cols, mask=cm, other=0.0)
+        shift = tl.load(pack_ptr + 4 * C + cols, mask=cm, other=0.0)
+        # −m̃ from −mean (rounding is symmetric; negating 16-bit values misbehaves in the interpreter)
+        tl.store(v16 + cols, (-mean).to(DT), mask=cm)
+        tl.store(v16 + C + cols, (scale * down).to(DT), mask=cm)
+        tl.store(v16 + 2 * C + cols, (tl.fma(mean.to(DT).to(tl.float32), scale, shift) * down).to(DT), mask=cm)
+    tl.store(ones, -1)
+
+
+@triton.jit
+def _preact16(xt, nm, s, b, keep, HAS_KEEP: tl.constexpr, PTX: tl.constexpr):
+    """``relu((x + nm)·s + b)`` of a 16-bit x tile in its dtype (``nm`` = −m̃, ``s``, ``b``: vectors over
+    the tile's columns), 0 in the rows where the int32 ``keep`` is 0 (−1: kept; HAS_KEEP).
+
+    Two roundings to the tile's dtype — ``d = x + nm`` and ``relu(d·s + b)`` (one fused multiply-add)
+    — and a ReLU that keeps NaN and maps −inf to 0. PTX: packed instructions, two elements each
+    (``fma.rn{.relu}.{bf16x2,f16x2}``, the row mask an AND with ``keep`` narrowed to 16 bits, so each
+    element of a pair carries its own row's mask whatever rows the register layout pairs). Otherwise (Triton's interpreter, where
+    inline PTX does not run) the same roundings from exact float64 sums and products; bf16 goes
+    through float32 there (the interpreter's float64→bf16 conversion is wrong, its float32→bf16 one
+    truncates, so bf16 results differ from the GPU's in the last bit; fp16 ones do not)."""
+    DT: tl.constexpr = xt.dtype
+    BM: tl.constexpr = xt.shape[0]
+    BK: tl.constexpr = xt.shape[1]
+    nm2 = tl.broadcast_to(nm[None, :], [BM, BK])
+    s2 = tl.broadcast_to(s[None, :], [BM, BK])
+    b2 = tl.broadcast_to(b[None, :], [BM, BK])
+    if PTX:
+        ONE: tl.constexpr = "0x3F803F80" if DT == tl.bfloat16 else "0x3C003C00"
+        SFX: tl.constexpr = "bf16x2" if DT == tl.bfloat16 else "f16x2"
+        if HAS_KEEP:
+            a = tl.inline_asm_elementwise(
+                "{ .reg .b32 t, one; mov.b32 one, " + ONE + "; fma.rn." + SFX + " t, $1, one, $2; fma.rn.relu."
+                + SFX + " t, t, $3, $4; and.b32 $0, t, $5; }",
+                "=r,r,r,r,r,r", [xt, nm2, s2, b2, tl.broadcast_to(keep.to(tl.int16)[:, None], [BM, BK])],
+                dtype=xt.dtype, is_pure=True, pack=2)
+        else:
+            a = tl.inline_asm_elementwise(
+                "{ .reg .b32 t, one; mov.b32 one, " + ONE + "; fma.rn." + SFX + " t, $1, one, $2; fma.rn.relu."
+                + SFX + " $0, t, $3, $4; }",
+                "=r,r,r,r,r", [xt, nm2, s2, b2], dtype=xt.dtype, is_pure=True, pack=2)
+    else:
+        VIA: tl.constexpr = tl.float32 if DT == tl.bfloat16 else tl.float64
+        d = (xt.to(tl.float64) + nm2.to(tl.float64)).to(VIA).to(DT)
+        z = d.to(tl.float64) * s2.to(tl.float64) + b2.to(tl.float64)
+        a = tl.where(z < 0.0, 0.0, z).to(VIA).to(DT)
+        if HAS_KEEP:
+            a = tl.where(keep[:, None] != 0, a, 0.0)
+    return a
+
+
+@triton.jit(do_not_specialize=("M", "H", "W", "P", "Q", "H2", "W2"))
+def _fprop_kernel(
+    x_ptr, sxn, sxh, sxw, sxc,
+    w_ptr, swk, swc, swr, sws,
+    pack_ptr, bias_ptr,
+    xin_ptr, sin_n, sin_h, sin_w, sin_c,
+    w2_ptr, sw2k, sw2c, pack2_ptr,
+    y_ptr, syn, syh, syw, syc,
+    part_ptr,
+    M,
+    H, W, C, P, Q, K,
+    GROUPS, R: tl.constexpr, S: tl.constexpr,
+    STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
+    DIL_H: tl.constexpr, DIL_W: tl.constexpr,
+    H2, W2, C2, STRIDE2: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_RES: tl.constexpr, STATS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
+    PRO16: tl.constexpr, EVEN_C: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
+):
+    """``y[m, k] = Σ_{r,s,c} relu(x[pix(m,r,s), c]·scale[c] + shift[c]) · w[k, c, r, s]`` (+ bias[k]).
+
+    Tensors as in :mod:`fused_preact.ops.triton.kernels_conv` (activations through their (n, h, w, c)
+    strides; ``pack``/``pack2`` (8, C) fp32 of which this kernel writes the scratch rows 5-7).
+    Options: HAS_PROJ adds a second GEMM into the same accumulator — a 1×1, stride-``STRIDE2``
+    projection shortcut ``w2`` (K, C2) over the pre-activation of the chain input ``xin`` (its own
+    ``pack2``), so the shortcut's output is never stored; HAS_RES adds ``xin`` itself (identity
+    shortcut) in the epilogue; STATS writes the tile's per-channel mean and M2 of the stored (rounded)
+    y into row ``pid_m`` of ``part`` — the partial statistics of the next BatchNorm.
+    PRO16: 0 — every transform in fp32 (fp32 compute dtype); 1 — 16-bit tiles (x, xin) transformed by
+    :func:`_preact16` in its interpreter form; 2 — the same in packed PTX (GPU); fp32 tiles (an fp32
+    input under autocast) keep the fp32 transform. EVEN_C: the channels per group (and C2) are
+    multiples of BLOCK_K (BLOCK_K2), so channel chunks need no mask; EVEN_N: K/GROUPS is a multiple of
+    BLOCK_N. Rows past M compute row M−1 (never stored).
+    Grid: (cdiv(M, BLOCK_M), cdiv(K/GROUPS, BLOCK_N), GROUPS).
+    """
+    Cg = C // GROUPS
+    Kg = K // GROUPS
+    NUM_CK = tl.cdiv(Cg, BLOCK_K)
+    RS: tl.constexpr = R * S
+    PADDED: tl.constexpr = PAD_H > 0 or PAD_W > 0
+    X16: tl.constexpr = PRO16 != 0 and (x_ptr.dtype.element_ty == tl.float16
+                                         or x_ptr.dtype.element_ty == tl.bfloat16)
+    XIN16: tl.constexpr = PRO16 != 0 and HAS_PROJ and (xin_ptr.dtype.element_ty == tl.float16
+                                                        or xin_ptr.dtype.element_ty == tl.bfloat16)
+    # fp16 operands: the transform vectors scaled into fp16's range, the accumulator back (exact).
+    SCALED: tl.constexpr = PRO16 != 0 and DOT_DTYPE == tl.float16
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    g = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < Kg
+    k_out = g * Kg + offs_n
+    mc = tl.minimum(offs_m, M - 1)
+    q = mc % Q
+    p = (mc // Q) % P
+    nb = mc // (P * Q)
+    if IDX64:
+        nb = nb.to(tl.int64)
+    ih0 = p * STRIDE_H - PAD_H
+    iw0 = q * STRIDE_W - PAD_W
+    row_x = nb * sxn + ih0 * sxh + iw0 * sxw
+    # Bit t of vbits: tap t = r·S + s of the row reads inside the image (padding otherwise). vbits2
+    # holds the same bits for the 16-bit transform's row mask, computed another way: one shared
+    # value would be converted between the two loads' layouts inside the loop.
+    vbits = tl.zeros([BLOCK_M], dtype=tl.int32)
+    vbits2 = tl.zeros([BLOCK_M], dtype=tl.int32)
+    if PADDED:
+        for rr in tl.static_range(R):
+            ok_h = (ih0 + rr * DIL_H >= 0) & (ih0 + rr * DIL_H < H)
+            ok_h2 = (ih0 + rr * DIL_H).to(tl.uint32) < H.to(tl.uint32)
+            for ss in tl.static_range(S):
+                ok = ok_h & (iw0 + ss * DIL_W >= 0) & (iw0 + ss * DIL_W < W)
+                vbits = vbits | (ok.to(tl.int32) << (rr * S + ss))
+                ok2 = ok_h2 & ((iw0 + ss * DIL_W).to(tl.uint32) < W.to(tl.uint32))
+                vbits2 = vbits2 | tl.where(ok2, 1 << (rr * S + ss), 0)
+    wn_mask = n_mask[None, :]
+    kk = tl.arange(0, BLOCK_K)
+    col_x = (g * Cg + kk) * sxc
+    x_tile = x_ptr + row_x[:, None] + col_x[None, :]
+    n_last = M // (P * Q) - 1
+    if IDX64:
+        n_last = n_last.to(tl.int64)
+    row_max = n_last * sxn + (H - 1) * sxh + (W - 1) * sxw  # the last pixel's offset: clamp for padded taps
+    w_tile = w_ptr + k_out[None, :] * swk + kk[:, None] * swc
+    down = 1.0
+    if SCALED:
+        down = _pow2(-_scale_exponent(pack_ptr, C, pack2_ptr, C2, HAS_PROJ, DOT_DTYPE))
+    if X16:
+        _write_pack16(pack_ptr, g * Cg, Cg, C, down, x_ptr.dtype.element_ty, 256)
+    if XIN16:
+        _write_pack16(pack2_ptr, 0, C2, C2, down, xin_ptr.dtype.element_ty, 256)
+    if X16 or XIN16:
+        tl.debug_barrier()
+    if X16:
+        v16, ones = _pack16_ptrs(pack_ptr, C, x_ptr.dtype.element_ty)
+        v_row = v16 + g * Cg + kk
+        ones_r = ones + tl.zeros([BLOCK_M], dtype=tl.int32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    n_iter = RS * NUM_CK
+    tl.assume(n_iter > 0)
+    c_off = 0
+    r = 0
+    s = 0
+    for _ in range(n_iter):
+        tap = r * S + s
+        c_mask = None if EVEN_C else c_off + kk < Cg
+        tap_off = (r * DIL_H) * sxh + (s * DIL_W) * sxw
+        if PADDED and X16:
+            # A padded tap reads a clamped in-bounds pixel (no load mask); the transform zeroes it.
+            x_at = (x_ptr + (col_x + c_off * sxc))[None, :] \
+                + tl.minimum(tl.maximum(row_x + tap_off, 0), row_max)[:, None]
+            xt = _load_tile(x_at, None, None if EVEN_C else c_mask[None, :])
+        elif PADDED:
+            keep = ((vbits >> tap) & 1) != 0
+            xt = _load_tile(x_tile + (c_off * sxc + tap_off), keep[:, None], None if EVEN_C else c_mask[None, :])
+        else:
+            xt = _load_tile(x_tile + (c_off * sxc + tap_off), None, None if EVEN_C else c_mask[None, :])
+        wt = _load_tile(w_tile + (c_off * swc + r * swr + s * sws), None if EVEN_C else c_mask[:, None],
+                        None if EVEN_N else wn_mask)
+        if X16:
+            nm = _load_row(v_row + c_off, c_mask)
+            s16 = _load_row(v_row + (C + c_off), c_mask)
+            b16 = _load_row(v_row + (2 * C + c_off), c_mask)
+            if PADDED:
+                # the −1 word where the tap is inside the image, 0 (masked off) where padded
+                k32 = tl.load(ones_r, mask=(vbits2 & (1 << tap)) != 0, other=0)
+                a = _preact16(xt, nm, s16, b16, k32, True, PRO16 == 2)
+            else:
+                a = _preact16(xt, nm, s16, b16, None, False, PRO16 == 2)
+        else:
+            sc, sh = _scale_shift(pack_ptr, g * Cg + c_off + kk, c_mask, C)
+            if PADDED:
+                a = _preact(xt, sc * down, sh * down, keep[:, None])
+            else:
+                a = _relu_nan(tl.fma(xt.to(tl.float32), (sc * down)[None, :], (sh * down)[None, :]))
+        acc = tl.dot(a.to(DOT_DTYPE), wt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
+        # next tap, then next channel chunk
+        if RS == 1:
+            c_off += BLOCK_K
+        else:
+            s += 1
+            if S > 1:
+                wrap_s = s == S
+                s = tl.where(wrap_s, 0, s)
+                r += wrap_s.to(tl.int32)
+            else:
+                r += s
+                s = 0
+            wrap_r = r == R
+            r = tl.where(wrap_r, 0, r)
+            c_off += tl.where(wrap_r, BLOCK_K, 0)
+    if HAS_PROJ:
+        # Projection shortcut: 1×1, stride STRIDE2, no padding, on the chain input (groups == 1).
+        row2 = nb * sin_n + (p * STRIDE2) * sin_h + (q * STRIDE2) * sin_w
+        kk2 = tl.arange(0, BLOCK_K2)
+        if XIN16:
+            v16b, _ = _pack16_ptrs(pack2_ptr, C2, xin_ptr.dtype.element_ty)
+        tl.assume(C2 > 0)
+        for c0 in range(0, C2, BLOCK_K2):
+            offs_c = c0 + kk2
+            c_mask = None if EVEN_C else offs_c < C2
+            xt2 = _load_tile(xin_ptr + row2[:, None] + offs_c[None, :] * sin_c, None,
+                             None if EVEN_C else c_mask[None, :])
+            wt2 = _load_tile(w2_ptr + k_out[None, :] * sw2k + offs_c[:, None] * sw2c,
+                             None if EVEN_C else c_mask[:, None], None if EVEN_N else wn_mask)
+            if XIN16:
+                nm = _load_row(v16b + offs_c, c_mask)
+                s16 = _load_row(v16b + C2 + offs_c, c_mask)
+                b16 = _load_row(v16b + 2 * C2 + offs_c, c_mask)
+                a2 = _preact16(xt2, nm, s16, b16, None, False, PRO16 == 2)
+            else:
+                sc, sh = _scale_shift(pack2_ptr, offs_c, c_mask, C2)
+                a2 = _relu_nan(tl.fma(xt2.to(tl.float32), (sc * down)[None, :], (sh * down)[None, :]))
+            acc = tl.dot(a2.to(DOT_DTYPE), wt2.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
+    if SCALED:  # e again (not held through the loop: registers)
+        acc = acc * _pow2(_scale_exponent(pack_ptr, C, pack2_ptr, C2, HAS_PROJ, DOT_DTYPE))
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + k_out, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_RES:
+        rrow = nb * sin_n + p * sin_h + q * sin_w
+        acc += tl.load(xin_ptr + rrow[:, None] + k_out[None, :] * sin_c, mask=y_mask, other=0.0).to(tl.float32)
+    yrow = nb * syn + p * syh + q * syw
+    yv = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + yrow[:, None] + k_out[None, :] * syc, yv, mask=y_mask)
+    if STATS:  # statistics of the stored (rounded) values: what the next BatchNorm reads
+        tile_mean_m2(yv.to(tl.float32), y_mask, tl.minimum(M - pid_m * BLOCK_M, BLOCK_M),
+                     part_ptr + pid_m.to(tl.int64) * (2 * K) + k_out, n_mask, K)
