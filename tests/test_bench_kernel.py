@@ -16,6 +16,7 @@ import torch
 from helpers import HostEvent
 
 from fused_preact.bench import kernels as K
+from fused_preact.bench import report as bench_report
 from fused_preact.bench import run as bench
 from fused_preact.bench import timing as BT
 from fused_preact.bench.shapes import MODES, UnitShape, enumerate_blocks, enumerate_units
@@ -268,7 +269,7 @@ def test_entries_by_dtype_and_schema_of_the_new_modes():
            unit("triton", 1.0, "fp16")]
     bench.annotate(res)
     assert [e.get("speedup_vs_eager") for e in res] == [None, 2.0, None, 4.0]
-    head, rows = bench._rows(_obj(res))
+    head, rows = bench_report._rows(_obj(res))
     assert [r[1] for r in rows] == ["m/u [bf16]", "m/u [fp16]"]
     with pytest.raises(ValueError):
         bench.make_entry(name="x", level="kernel", provider="triton", mode="fwd", dtype="bf16", batch=1, times_ms=[1.0],

@@ -35,7 +35,8 @@ killed from outside keeps what it measured; ``--report FILE`` re-renders table, 
 from a results file without a GPU.
 
 Outputs in ``--out`` (default ``benchmarks/results``): ``<device>-<date>.json`` (format:
-:func:`validate_results`), ``.md`` (summary and full tables) and ``.png`` (speedups and memory).
+:mod:`fused_preact.bench.results`), ``.md`` (summary and full tables) and ``.png`` (speedups and memory;
+:mod:`fused_preact.bench.report`).
 Without CUDA the command refuses (exit code 2): no CPU timing is ever written as a result.
 The compile-only kernel report (no GPU) is a repository tool: ``python -m tools.static_report`` from
 the repository root (``--static`` only says so).
@@ -48,10 +49,8 @@ import dataclasses
 import gc
 import hashlib
 import json
-import math
 import os
 import platform
-import re
 import shlex
 import statistics
 import subprocess
@@ -69,20 +68,31 @@ from fused_preact.bench.kernels import (
     KERNEL_MODES,
     kernel_flops,
     kernel_min_bytes,
-    kernel_tables,
     quick_kernel_units,
+)
+from fused_preact.bench.report import format_table, markdown_report, write_chart
+from fused_preact.bench.results import (
+    _ALL_PROVIDERS,
+    _COMPILE,
+    ENQUEUE_PROVIDERS,
+    ENTRY_MODES,
+    EST_S,
+    LEVELS,
+    annotate,
+    make_entry,
+    results_path,
+    validate_results,
+    write_results,
 )
 from fused_preact.bench.shapes import (
     MODEL_SPECS,
     MODES,
-    achieved,
     block_flops,
     block_min_bytes,
     dtype_from_name,
     enumerate_blocks,
     enumerate_units,
     floor_ms,
-    pct_of_floor,
     quick_blocks,
     quick_units,
     unit_flops,
@@ -95,148 +105,6 @@ __all__ = [
     "cuda_refusal", "main"
 ]
 
-LEVELS: tuple[str, ...] = ("unit", "block", "model", "kernel")
-#: Every entry mode: unit/block modes, the model's training step, host enqueue time, kernel modes.
-ENTRY_MODES: tuple[str, ...] = MODES + ("step", "enqueue") + KERNEL_MODES
-#: Providers whose enqueue time is measured (mode ``enqueue``).
-ENQUEUE_PROVIDERS: tuple[str, ...] = ("eager", "triton", "cuda", "recompute", "auto")
-_ALL_PROVIDERS = ("eager", "compile", "compile-max-autotune", "triton", "cuda", "recompute", "auto", "auto-lean",
-                  "eager-cudagraph", "triton-cudagraph", "cudnn", "cudnn-fused")
-_FUSED = ("triton", "cuda", "recompute", "auto", "auto-lean", "triton-cudagraph")
-_COMPILE = ("compile", "compile-max-autotune")
-#: Rough first-run (cold cache) seconds per task on an H100, by level and provider; used only to
-#: decide whether a task still fits in ``--time-limit``. Guesses until a GPU run replaces them.
-EST_S: dict[str, dict[str, float]] = {
-    "unit": {"eager": 3, "triton": 5, "cuda": 3, "recompute": 4, "auto": 12, "auto-lean": 12, "compile": 12,
-             "compile-max-autotune": 60},
-    "block": {"eager": 4, "triton": 8, "cuda": 4, "recompute": 5, "auto": 20, "auto-lean": 20, "compile": 25,
-              "compile-max-autotune": 150},
-    "model": {"eager": 20, "triton": 30, "cuda": 20, "recompute": 25, "auto": 90, "auto-lean": 90,
-              "eager-cudagraph": 20, "triton-cudagraph": 30, "compile": 180, "compile-max-autotune": 900},
-    "kernel": {"cudnn": 3, "triton": 8, "cuda": 3, "cudnn-fused": 5},
-}
-_TOP = {"device": str, "driver": str, "torch": str, "triton": str, "commit": str, "date": str, "command": str,
-        "results": list}
-_ENTRY = {"name": str, "level": str, "provider": str, "mode": str, "dtype": str, "batch": int,
-          "median_ms": (int, float), "peak_mem_bytes": int}
-
-
-# ------------------------------------------------------------------------------------ result entries
-def make_entry(*, name: str, level: str, provider: str, mode: str, dtype: str, batch: int, times_ms: Sequence[float],
-               peak_mem_bytes: int, flops: Optional[float] = None, min_bytes: Optional[float] = None,
-               floor: Optional[float] = None, **extra: Any) -> dict:
-    """One results entry from measured per-call times (ms) and peak memory (bytes).
-
-    Adds ``median_ms``, ``min_ms``, ``reps``; with ``flops``/``min_bytes``: ``tflops`` (TFLOP/s) and
-    ``gbps`` (effective GB/s, minimum bytes over time); with ``floor`` (ms): ``floor_ms`` and
-    ``pct_of_floor`` (100·floor/median). ``extra`` keys are copied in unchanged.
-
-    Raises:
-        ValueError: no times, a non-positive time, an unknown level or mode, or a kernel mode outside
-            the kernel level (or the reverse).
-    """
-    if not times_ms or min(times_ms) <= 0:
-        raise ValueError(f"times_ms must be non-empty and positive, got {list(times_ms)!r}")
-    if level not in LEVELS or mode not in ENTRY_MODES or (level == "kernel") != (mode in KERNEL_MODES):
-        raise ValueError(f"bad level/mode {level!r}/{mode!r}")
-    med = float(statistics.median(times_ms))
-    e: dict[str, Any] = dict(name=name, level=level, provider=provider, mode=mode, dtype=dtype, batch=int(batch),
-                             median_ms=med, min_ms=float(min(times_ms)), reps=len(times_ms),
-                             peak_mem_bytes=int(peak_mem_bytes))
-    if flops is not None:
-        tflops, gbps = achieved(flops, min_bytes or 0, med)
-        e["flops"], e["tflops"] = int(flops), tflops
-        if min_bytes is not None:
-            e["min_bytes"], e["gbps"] = int(min_bytes), gbps
-    if floor is not None:
-        e["floor_ms"], e["pct_of_floor"] = float(floor), pct_of_floor(floor, med)
-    e.update(extra)
-    return e
-
-
-def _key(e: dict, provider: Optional[str] = None) -> tuple:
-    return (e["name"], e["mode"], e.get("dtype"), provider or e["provider"])
-
-
-def annotate(results: list[dict]) -> None:
-    """Add ``speedup_vs_eager`` (eager ms / ms), ``speedup_vs_compile`` (default-compile ms / ms) and
-    ``mem_vs_eager`` (peak bytes / eager peak bytes) to every entry that has a counterpart with the
-    same name, mode and dtype; to kernel entries ``ratio_vs_cudnn`` (ms / cudnn's ms: above 1 is slower)."""
-    by = {_key(e): e for e in results}
-    for e in results:
-        for ref, key in (("eager", "speedup_vs_eager"), ("compile", "speedup_vs_compile")):
-            r = by.get(_key(e, ref))
-            if r is not None and r is not e:
-                e[key] = r["median_ms"] / e["median_ms"]
-        r = by.get(_key(e, "eager"))
-        if r is not None and r is not e and r["peak_mem_bytes"] > 0:
-            e["mem_vs_eager"] = e["peak_mem_bytes"] / r["peak_mem_bytes"]
-        r = by.get(_key(e, "cudnn"))
-        if e["level"] == "kernel" and r is not None and r is not e:
-            e["ratio_vs_cudnn"] = e["median_ms"] / r["median_ms"]
-
-
-def validate_results(obj: Any) -> list[str]:
-    """Problems with a results object (empty list: valid). Format: top-level ``device``, ``driver``,
-    ``torch``, ``triton``, ``commit``, ``date``, ``command`` (str) and ``results`` (list); each entry
-    ``name``, ``level`` (unit/block/model/kernel), ``provider``, ``mode`` (fwd/bwd/fwd+bwd/step/enqueue,
-    fprop/dgrad/wgrad at the kernel level and only there), ``dtype`` (str), ``batch`` (int), ``median_ms``
-    (> 0), ``peak_mem_bytes`` (int ≥ 0), for unit entries ``floor_ms`` (> 0) and for enqueue entries
-    ``wall_ms`` (> 0). Other keys are allowed."""
-    if not isinstance(obj, dict):
-        return ["results object is not a JSON object"]
-    problems = [f"top-level {k!r} missing or not {t.__name__}" for k, t in _TOP.items() if not isinstance(obj.get(k), t)]
-    for i, e in enumerate(obj.get("results") or []):
-        where = f"results[{i}] ({e.get('name', '?') if isinstance(e, dict) else '?'})"
-        if not isinstance(e, dict):
-            problems.append(f"{where} is not an object")
-            continue
-        problems += [f"{where}: {k!r} missing or of the wrong type" for k, t in _ENTRY.items()
-                     if not isinstance(e.get(k), t) or isinstance(e.get(k), bool)]
-        if e.get("level") not in LEVELS:
-            problems.append(f"{where}: level {e.get('level')!r} not in {LEVELS}")
-        if e.get("mode") not in ENTRY_MODES:
-            problems.append(f"{where}: mode {e.get('mode')!r} unknown")
-        elif e.get("level") in LEVELS and (e.get("level") == "kernel") != (e.get("mode") in KERNEL_MODES):
-            problems.append(f"{where}: mode {e.get('mode')!r} does not belong to level {e.get('level')!r}")
-        if e.get("mode") == "enqueue" and not (isinstance(e.get("wall_ms"), (int, float)) and e["wall_ms"] > 0):
-            problems.append(f"{where}: enqueue entries need wall_ms > 0")
-        if isinstance(e.get("median_ms"), (int, float)) and not e["median_ms"] > 0:
-            problems.append(f"{where}: median_ms must be > 0")
-        if isinstance(e.get("peak_mem_bytes"), int) and e["peak_mem_bytes"] < 0:
-            problems.append(f"{where}: peak_mem_bytes must be ≥ 0")
-        if e.get("level") == "unit" and not (isinstance(e.get("floor_ms"), (int, float)) and e["floor_ms"] > 0):
-            problems.append(f"{where}: unit entries need floor_ms > 0")
-    return problems
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
-
-
-def results_path(out_dir: os.PathLike, device: str, date: str) -> Path:
-    """``<out_dir>/<device slug>-<YYYY-MM-DD-HHMMSS>.json`` for an ISO ``date`` (``2026-11-20T15:30:00Z``)."""
-    return Path(out_dir) / f"{_slug(device)}-{re.sub(r'[^0-9]+', '-', date).strip('-')}.json"
-
-
-def write_results(obj: dict, path: os.PathLike) -> Path:
-    """Validate ``obj`` (:func:`validate_results`) and write it as JSON to ``path`` atomically.
-
-    Raises:
-        ValueError: the object is not a valid results object.
-    """
-    problems = validate_results(obj)
-    if problems:
-        raise ValueError("invalid results object: " + "; ".join(problems[:5]))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
-    tmp.replace(path)
-    return path
-
-
-# ------------------------------------------------------------------------------------- environment
 def _run(cmd: list[str], cwd: Optional[Path] = None) -> Optional[str]:
     try:
         out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=20)
@@ -280,235 +148,8 @@ def environment(commit: Optional[str] = None) -> dict:
 
 
 # --------------------------------------------------------------------------------- table and report
-def _fmt(v: Optional[float], spec: str, suffix: str = "") -> str:
-    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec) + suffix
 
 
-def _geomean(xs: list[float]) -> Optional[float]:
-    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
-
-
-def _timed(obj: dict) -> list[dict]:
-    """The unit, block and model entries of the speedup tables (kernel and enqueue entries have their own)."""
-    return [e for e in obj["results"] if e["level"] != "kernel" and e["mode"] != "enqueue"]
-
-
-def _label(e: dict, dtypes: set) -> str:
-    return e["name"] + (f" [{e.get('dtype')}]" if len(dtypes) > 1 else "")
-
-
-def _rows(obj: dict) -> tuple[list[str], list[tuple]]:
-    results = _timed(obj)
-    dtypes = {e.get("dtype") for e in results}
-    providers = [p for p in _ALL_PROVIDERS if any(e["provider"] == p for e in results)]
-    providers += sorted({e["provider"] for e in results} - set(providers))
-    fused = [p for p in _FUSED if p in providers]
-    by = {_key(e): e for e in results}
-    keys = list(dict.fromkeys((e["level"], e["name"], e["mode"], e.get("dtype")) for e in results))
-    keys.sort(key=lambda k: LEVELS.index(k[0]))
-    head = ["level", "name", "mode"] + [f"{p} ms" for p in providers]
-    for f in fused:
-        head += [f"{f} ×eager", f"{f} ×compile", f"{f} %floor", f"{f} mem×eager"]
-    rows = []
-    for level, name, mode, dtype in keys:
-        label = _label(dict(name=name, dtype=dtype), dtypes)
-        row = [level, label, mode] + [_fmt(by.get((name, mode, dtype, p), {}).get("median_ms"), ".3f")
-                                      for p in providers]
-        for f in fused:
-            e = by.get((name, mode, dtype, f), {})
-            row += [_fmt(e.get("speedup_vs_eager"), ".2f", "×"), _fmt(e.get("speedup_vs_compile"), ".2f", "×"),
-                    _fmt(e.get("pct_of_floor"), ".0f", "%"), _fmt(e.get("mem_vs_eager"), ".2f", "×")]
-        rows.append(tuple(row))
-    return head, rows
-
-
-def _summary(obj: dict) -> tuple[list[str], list[tuple]]:
-    head = ["level", "mode", "provider", "n", "geomean ×eager", "geomean ×compile", "median %floor", "median mem×eager"]
-    groups: dict[tuple, list[dict]] = {}
-    timed = _timed(obj)
-    dtypes = {e.get("dtype") for e in timed}
-    for e in timed:
-        if e["provider"] != "eager":
-            groups.setdefault((e["level"], e["mode"], e["provider"], e.get("dtype")), []).append(e)
-    rows = []
-    order = {p: i for i, p in enumerate(_ALL_PROVIDERS)}
-    modes = ENTRY_MODES
-    for (level, mode, prov, dtype), es in sorted(groups.items(), key=lambda kv: (
-            LEVELS.index(kv[0][0]), modes.index(kv[0][1]), order.get(kv[0][2], len(order)), kv[0][2], str(kv[0][3]))):
-        prov = prov + (f" [{dtype}]" if len(dtypes) > 1 else "")
-        def col(key):
-            return [e[key] for e in es if e.get(key) is not None]
-        pct, mem = col("pct_of_floor"), col("mem_vs_eager")
-        rows.append((level, mode, prov, str(len(es)), _fmt(_geomean(col("speedup_vs_eager")), ".2f", "×"),
-                     _fmt(_geomean(col("speedup_vs_compile")), ".2f", "×"),
-                     _fmt(statistics.median(pct) if pct else None, ".0f", "%"),
-                     _fmt(statistics.median(mem) if mem else None, ".2f", "×")))
-    return head, rows
-
-
-def _text_table(head: list[str], rows: list[tuple]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(head, *rows)] if rows else [len(h) for h in head]
-    line = lambda r: "  ".join(str(c).ljust(w) if i < 3 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
-def _md_table(head: list[str], rows: list[tuple]) -> str:
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def _header(obj: dict) -> str:
-    peaks = obj.get("peaks") or {}
-    return (f"{obj['device']} · driver {obj['driver']} · torch {obj['torch']} (CUDA {obj.get('cuda')}) · "
-            f"triton {obj['triton']} · commit {obj['commit'][:12]}{' (dirty)' if obj.get('dirty') else ''} · "
-            f"{obj['date']} · measured peaks {_fmt(peaks.get('tflops'), '.0f')} TFLOP/s bf16, "
-            f"{_fmt(peaks.get('gbps'), '.0f')} GB/s · {obj.get('dtype', '')} batch {obj.get('batch', '')}")
-
-
-def _enqueue(obj: dict) -> list[tuple[str, list[str], list[tuple]]]:
-    """The enqueue table (empty without enqueue entries): per block/model, dtype and provider the host
-    time to enqueue one step, the step's wall time when the host never waits, their ratio, the step's
-    device time where it was measured too (the ``fwd+bwd`` / ``step`` entry: event-timed, one call at a
-    time) and the enqueue speedup vs eager. Enqueue below the device time: the host runs ahead. Enqueue
-    ≈ wall ≈ device time: the device bounds the step and the host waited on a full launch queue;
-    enqueue ≈ wall above the device time: the host (or a synchronization in the step) bounds it."""
-    es = [e for e in obj["results"] if e["mode"] == "enqueue"]
-    if not es:
-        return []
-    by = {_key(e): e for e in obj["results"]}
-    order = {p: i for i, p in enumerate(_ALL_PROVIDERS)}
-    es = sorted(es, key=lambda e: (LEVELS.index(e["level"]), e["name"], str(e.get("dtype")),
-                                   order.get(e["provider"], 99)))
-    head = ["level", "name", "dtype", "provider", "steps", "enqueue ms/step", "wall ms/step", "enqueue/wall",
-            "device ms/step", "enqueue ×eager"]
-    rows = []
-    for e in es:
-        dev = by.get((e["name"], "step" if e["level"] == "model" else "fwd+bwd", e.get("dtype"), e["provider"]), {})
-        rows.append((e["level"], e["name"], str(e.get("dtype")), e["provider"], str(e.get("steps", "")),
-                     _fmt(e["median_ms"], ".3f"), _fmt(e.get("wall_ms"), ".3f"),
-                     _fmt(e["median_ms"] / e["wall_ms"] if e.get("wall_ms") else None, ".2f"),
-                     _fmt(dev.get("median_ms"), ".3f"), _fmt(e.get("speedup_vs_eager"), ".2f", "×")))
-    return [("enqueue: host time per fwd+bwd (block) or training step (model), issued back to back without "
-             "synchronizing, vs the step's wall and device time (enqueue < device: the host runs ahead; "
-             "enqueue ≈ wall > device: the host or a synchronization bounds the step)", head, rows)]
-
-
-def _auto(obj: dict) -> list[tuple[str, list[str], list[tuple]]]:
-    """The ``auto`` table (empty without auto entries): per entry of an auto provider, how many fused
-    modules run each backend, where the decisions came from, and the candidates rejected by validation."""
-    rows = []
-    for e in obj["results"]:
-        choices = e.get("auto")
-        if not choices or e["mode"] not in ("fwd+bwd", "step"):
-            continue
-        runs: dict[str, int] = {}
-        sources: dict[str, int] = {}
-        invalid = set()
-        for c in choices:
-            runs[c["runs"]] = runs.get(c["runs"], 0) + 1
-            sources[c["source"]] = sources.get(c["source"], 0) + 1
-            invalid |= {n for n, v in c["candidates"].items() if isinstance(v, str)}
-        rows.append((e["level"], e["name"], str(e.get("dtype")), e["provider"],
-                     " ".join(f"{k}×{v}" for k, v in sorted(runs.items())),
-                     " ".join(f"{k}×{v}" for k, v in sorted(sources.items())), " ".join(sorted(invalid)) or "–"))
-    if not rows:
-        return []
-    return [("auto: backends chosen per fused module (count), where the decisions came from, candidates that "
-             "failed validation", ["level", "name", "dtype", "provider", "runs", "source", "invalid"], rows)]
-
-
-def _extra_tables(obj: dict) -> list[tuple[str, list[str], list[tuple]]]:
-    return kernel_tables(obj["results"]) + _enqueue(obj) + _auto(obj)
-
-
-def format_table(obj: dict) -> str:
-    """Plain-text report of a results object: one row per (name, mode) with every provider's median
-    ms and, for the fused providers, speedup vs eager and vs compile, percent of floor and peak
-    memory vs eager; the skipped tasks; last (where a log's tail shows it) the header, the summary
-    (geometric-mean speedups per level, mode and provider), the kernel level's and the enqueue
-    tables (:func:`fused_preact.bench.kernels.kernel_tables`) and the training-step rows again."""
-    annotate(obj["results"])
-    timed = bool(_timed(obj))
-    out = [_text_table(*_rows(obj))] if timed else []
-    if obj.get("skipped"):
-        out += ["", f"skipped ({len(obj['skipped'])}):"]
-        out += [f"  {s['level']} {s['name']} {s['provider']}: {s['reason']}" for s in obj["skipped"]]
-    head, rows = _rows(obj)
-    models = [r for r in rows if r[0] == "model"]
-    extra = [x for title, h, r in reversed(_extra_tables(obj)) for x in ("", title, _text_table(h, r))]
-    return "\n".join(out + ["", _header(obj)] + ([_text_table(*_summary(obj))] if timed else []) + extra
-                     + (["", _text_table(head, models)] if models else []))
-
-
-def markdown_report(obj: dict) -> str:
-    """The report of :func:`format_table` as Markdown (for the README's latest-results section)."""
-    annotate(obj["results"])
-    timed = bool(_timed(obj))
-    parts = [f"**{_header(obj)}**", "", f"`{obj['command']}`", ""] + ([_md_table(*_summary(obj)), ""] if timed else [])
-    for title, head, rows in _extra_tables(obj):
-        parts += [f"**{title}**", "", _md_table(head, rows), ""]
-    if timed:
-        parts += ["<details><summary>every result</summary>", "", _md_table(*_rows(obj)), "", "</details>"]
-    if obj.get("skipped"):
-        parts += ["", "Skipped: " + "; ".join(f"{s['name']} {s['provider']} ({s['reason']})" for s in obj["skipped"][:40])]
-    return "\n".join(parts) + "\n"
-
-
-def write_chart(obj: dict, path: os.PathLike) -> Path:
-    """PNG chart of a results object: per-layer speedup vs eager (unit and block, fwd+bwd, or the
-    first mode present), per-model training-step speedup vs eager, and per-model step peak memory
-    (GiB). Needs matplotlib (imported here, Agg backend)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    annotate(obj["results"])
-    layer = [e for e in obj["results"] if e["level"] in ("unit", "block")]
-    mode = "fwd+bwd" if any(e["mode"] == "fwd+bwd" for e in layer) else (layer[0]["mode"] if layer else None)
-    layer = [e for e in layer if e["mode"] == mode and e.get("speedup_vs_eager")]
-    names = list(dict.fromkeys(e["name"] for e in layer))
-    model = [e for e in obj["results"] if e["level"] == "model" and e["mode"] == "step"]
-    models = list(dict.fromkeys(e["name"] for e in model))
-    fig, axes = plt.subplots(3, 1, figsize=(11, 4 + 0.22 * len(names) + 2 * 3), layout="constrained",
-                             gridspec_kw={"height_ratios": [max(2, 0.22 * len(names)), 2.5, 2.5]})
-    palette = plt.get_cmap("tab10").colors
-    colors = {p: palette[i % len(palette)] for i, p in enumerate(_ALL_PROVIDERS)}
-
-    def bars(ax, labels, series, xlabel, ref=None):
-        if not labels or not series:
-            ax.text(0.5, 0.5, "no results", ha="center", va="center", transform=ax.transAxes)
-            ax.set_axis_off()
-            return
-        h = 0.8 / max(1, len(series))
-        for j, (prov, vals) in enumerate(series.items()):
-            ax.barh([i + j * h for i in range(len(labels))], vals, height=h, label=prov, color=colors.get(prov))
-        ax.set_yticks([i + 0.4 - h / 2 for i in range(len(labels))], labels, fontsize=7)
-        ax.invert_yaxis()
-        if ref is not None:
-            ax.axvline(ref, color="k", lw=0.8)
-        ax.set_xlabel(xlabel)
-        ax.legend(fontsize=7, loc="lower right")
-
-    def series(entries, labels, key, skip_eager=True):
-        present = {e["provider"] for e in entries}
-        provs = [p for p in _ALL_PROVIDERS + tuple(sorted(present - set(_ALL_PROVIDERS)))
-                 if p in present and not (skip_eager and p == "eager")]
-        by = {(e["name"], e["provider"]): e.get(key) or 0.0 for e in entries}
-        return {p: [by.get((n, p), 0.0) for n in labels] for p in provs}
-
-    bars(axes[0], names, series(layer, names, "speedup_vs_eager"), f"speedup vs eager, {mode} (×)", 1.0)
-    bars(axes[1], models, series([e for e in model if e.get("speedup_vs_eager")], models, "speedup_vs_eager"),
-         "training step speedup vs eager (×)", 1.0)
-    mem = [dict(e, gib=e["peak_mem_bytes"] / 2**30) for e in model]
-    bars(axes[2], models, series(mem, models, "gib", skip_eager=False), "training step peak memory beyond weights (GiB)")
-    fig.suptitle(_header(obj), fontsize=7)
-    path = Path(path)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
-
-# ------------------------------------------------------------------------------------------ running
 @dataclasses.dataclass
 class _Task:
     level: str
