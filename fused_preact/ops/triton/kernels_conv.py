@@ -74,15 +74,6 @@ def _preact(xt, sc, sh, mask):
     return tl.where(mask, a, 0.0)
 
 
-@triton.jit
-def _preact_tile(x_ptr, rows, chans, mask, sxc, pack_ptr, cmask, C):
-    """Load x[rows, chans] (row offsets ``rows``, channel stride ``sxc``) and return
-    ``relu(x·scale + shift)`` in fp32, zero where ``mask`` is False (padding, tails)."""
-    xt = tl.load(x_ptr + rows[:, None] + chans[None, :] * sxc, mask=mask, other=0.0)
-    sc, sh = _scale_shift(pack_ptr, chans, cmask, C)
-    return _preact(xt, sc, sh, mask)
-
-
 @triton.jit(do_not_specialize=("M", "H", "W", "P", "Q", "P2", "Q2"))
 def _dgrad_kernel(
     dy_ptr, sdn, sdh, sdw, sdc,
