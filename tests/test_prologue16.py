@@ -1,12 +1,14 @@
-"""The fprop kernel's 16-bit transform: ``relu((x − m̃)·s̃ + b̃)`` in the input's dtype (packed PTX on a
-GPU, its float64 form under Triton's interpreter; see ``fused_preact/ops/triton/kernels_fprop.py``).
+"""The fprop and wgrad kernels' 16-bit transform: ``relu((x − m̃)·s̃ + b̃)`` in the input's dtype (packed PTX on a
+GPU, its float64 form under Triton's interpreter; see ``fused_preact/ops/triton/prologue16.py``).
 
 1. The interpreter form computes its definition exactly (two roundings to fp16), NaN/Inf included,
    and zeroes the rows its mask drops (padded taps: 0, not ``relu(shift)``).
 2. A fused unit and a projection block in fp16 stay within the eager-relative rule
-   (``helpers.assert_within_eager``) against float64 on ordinary data, on an adversarial input whose
-   mean is large against its spread (where rounding scale and shift to fp16 without centring would
-   not: checked, so the input is adversarial), and where scale = γ/σ exceeds fp16's range.
+   (``helpers.assert_within_eager``) against float64 — output, input gradient and every parameter
+   gradient (the wgrad kernel uses the same transform) — on ordinary data, on an adversarial input
+   whose mean is large against its spread (where rounding scale and shift to fp16 without centring
+   would not: checked, so the input is adversarial), where scale = γ/σ exceeds fp16's range, and where
+   shift does too.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from helpers import EAGER_FLOOR, EAGER_RATIO, ErrorPool, assert_within_eager
 from fused_preact import FusedBNReLUConv2d, FusedPreActBottleneck
 from fused_preact.models import PreActBottleneck
 from fused_preact.ops._common import tl, triton
-from fused_preact.ops.triton.kernels_fprop import _preact16
+from fused_preact.ops.triton.prologue16 import _preact16
 
 
 # ------------------------------------------------------------------------------ the definition
@@ -69,9 +71,11 @@ def test_interpreter_form_is_its_definition():
 
 # ------------------------------------------------------------------------------ against float64
 #: (input mean, input std, γ scale): ordinary data; a mean 200 standard deviations out; σ = 1e-3 with
-#: γ ≈ 300, so scale = γ/σ ≈ 3e5 > 65504 (fp16's largest finite value).
-REGIMES = {"normal": (0.7, 2.0, 1.0), "large_mean": (100.0, 0.5, 1.0), "scale_beyond_fp16": (0.3, 1e-3, 300.0)}
-
+#: γ ≈ 300, so scale = γ/σ ≈ 3e5 > 65504 (fp16's largest finite value); and a mean of −4 with
+#: scale ≈ 3e5, so shift = β − mean·scale ≈ 1.2e6 lies 2^5 beyond scale: the wgrad kernel's masked
+#: (padded) rows transform to about shift·2^−e, finite only if e covers |shift| too.
+REGIMES = {"normal": (0.7, 2.0, 1.0), "large_mean": (100.0, 0.5, 1.0), "scale_beyond_fp16": (0.3, 1e-3, 300.0),
+           "shift_beyond_fp16": (-4.0, 0.02, 8000.0)}
 
 def _set_bn(model: nn.Module, gamma_scale: float, seed: int) -> None:
     """γ in [0.5, 1] (the first BatchNorm's times ``gamma_scale``), β = ±[2, 3]: ReLU kinks 2+ standard
@@ -105,16 +109,32 @@ def _pools(build, regime: str, train: bool, draws: int = 2):
         gen = torch.Generator().manual_seed(10 + draw)
         x = (torch.randn(2, _first_bn(eager).num_features, 10, 10, dtype=torch.float64, generator=gen) * std + mean)
         x = x.half().double()  # every build sees the same fp16 input
-        outs = {}
+        outs, grads = {}, {}
+        gout = None
         for name, m in builds.items():
             m = copy.deepcopy(m).train(train)
             dt = torch.float64 if name == "float64" else torch.float16
             dev = DEVICE if name == "fused" else "cpu"
-            outs[name] = m(x.to(dev, dt).contiguous(memory_format=torch.channels_last)).cpu()
-            assert torch.isfinite(outs[name]).all(), f"{name} {regime}: non-finite output"  # NaN passes no rule
+            xi = x.to(dev, dt).contiguous(memory_format=torch.channels_last).requires_grad_()
+            out = m(xi)
+            if gout is None:  # small enough that the weight gradients stay in fp16's range
+                gout = torch.randn(out.shape, dtype=torch.float64, generator=gen) * 1e-2
+            out.backward(gout.to(dev, dt).contiguous(memory_format=torch.channels_last))
+            outs[name] = out.detach().cpu()
+            grads[name] = {"input grad": xi.grad.cpu(), **{_canonical(n): p.grad.cpu() for n, p in m.named_parameters()}}
+            for what, t in [("output", outs[name]), *grads[name].items()]:  # NaN passes no rule
+                assert torch.isfinite(t).all(), f"{name} {regime}: non-finite {what}"
         for name, pool in pools.items():
             pool.add("output", outs[name], outs["float64"])
+            assert grads[name].keys() == grads["float64"].keys(), (sorted(grads[name]), sorted(grads["float64"]))
+            for what, t in grads[name].items():
+                pool.add(what, t, grads["float64"][what])
     return pools
+
+
+def _canonical(name: str) -> str:
+    """A parameter's name in the eager build's terms (the unit's Sequential numbers its modules)."""
+    return name.replace("bn.", "0.").replace("conv.", "2.") if name.startswith(("bn.", "conv.")) else name
 
 
 def _first_bn(m: nn.Module) -> nn.BatchNorm2d:
@@ -167,3 +187,4 @@ def test_large_mean_input_is_adversarial():
     floor = EAGER_FLOOR[torch.float16]
     assert rel(plain) > EAGER_RATIO * rel(eager) + floor
     assert rel(centred) <= EAGER_RATIO * rel(eager) + floor
+

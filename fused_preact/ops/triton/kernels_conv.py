@@ -20,7 +20,8 @@ channels_last inputs and expanded gradients are read in place):
 
 The pre-activation is ``a = relu(x·scale + shift)`` with PyTorch's NaN semantics (``relu(NaN) = NaN``,
 ``relu(-inf) = 0``), and the conv's padded taps are zeros of ``a`` — masked after the transform
-(a padded ``a`` is 0, not ``relu(shift)``). ReLU's backward mask is ``threshold_backward``'s
+(a padded ``a`` is 0, not ``relu(shift)``). wgrad computes ``a`` of 16-bit inputs as the forward does
+(:mod:`.prologue16`); dgrad's ReLU mask is decided in fp32. ReLU's backward mask is ``threshold_backward``'s
 ``a <= 0 → 0``, so a NaN activation passes its gradient, as in eager PyTorch.
 
 Source of the dataflow: docs/design.md; semantics: ``F.batch_norm`` → ``F.relu`` → ``F.conv2d``.
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 from fused_preact.ops._common import tl, triton
 from fused_preact.ops.triton.kernels_grad import _cdiv_signed, _dw_piece, _dy_piece, _frac_range, _round_to, _udiv
+from fused_preact.ops.triton.prologue16 import _channel_exponent, _pow2, _preact16_t, _vectors16_of
 
 # Rows of a pack: per-channel fp32 vectors of one BatchNorm, written by the finalize kernel.
 PACK_MEAN, PACK_VAR, PACK_INVSTD, PACK_SCALE, PACK_SHIFT = 0, 1, 2, 3, 4
@@ -280,6 +282,9 @@ def _dgrad_kernel(
     mu = tl.load(pack_ptr + c_in, mask=n_mask, other=0.0)
     istd = tl.load(pack_ptr + 2 * C + c_in, mask=n_mask, other=0.0)
     sc, sh = _scale_shift(pack_ptr, c_in, n_mask, C)
+    # The mask is decided in fp32 (one rounding), also for 16-bit inputs: a decision taken on the
+    # forward's 16-bit transform follows its rounded kink, and each flip moves a gradient element by
+    # its whole value (tried: dx of a bf16 eval-mode test 0.28 off float64, 7x its tolerance).
     z = tl.fma(xt, sc[None, :], sh[None, :])
     dz = tl.where(tile_mask & ~(z <= 0.0), acc, 0.0)
     orow = nb * son + hi * soh + wi * sow
@@ -356,7 +361,7 @@ def _wgrad_tile(
     DIL_H: tl.constexpr, DIL_W: tl.constexpr, SPLIT_K: tl.constexpr, LINEAR: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, ASM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    PRO16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """One (k-block, c-block, tap, group, split) tile of ``dW[k, c, r, s] = Σ_m dy[m, k] ·
     relu(x[pix(m,r,s), c]·scale[c] + shift[c])`` over rows ``[split·CHUNK, (split+1)·CHUNK)``: stored in
@@ -364,7 +369,10 @@ def _wgrad_tile(
     (the number of splits is the grid's; a runtime value, so it costs no compilation of its own).
 
     Computed transposed, ``dWᵀ[c, k] = Σ_m aᵀ[c, m] · dy[m, k]``: the transformed activation is the
-    MMA's first operand, which the tensor cores read from registers (no shared-memory round trip). The
+    MMA's first operand, which the tensor cores read from registers (no shared-memory round trip).
+    PRO16 (16-bit x): ``a`` in the forward's packed 16-bit form (:mod:`.prologue16`), fp16 vectors
+    scaled per channel by 2^−e (e covering |shift| too, so a masked x transforms to a finite value)
+    and the accumulator rows back by 2^e; otherwise one fp32 fma per element (:func:`_preact_t`). The
     BLOCK_M output channels go in pieces of ``KP = min(BLOCK_M, BLOCK_N)`` (one accumulator each), so a
     dy piece and the x tile spread their rows over the threads alike and share the row arithmetic.
     A row whose tap falls into the padding (or past the chunk) has both its x and its dy masked to 0,
@@ -395,7 +403,13 @@ def _wgrad_tile(
     offs_c = cb * BLOCK_N + tl.arange(0, BLOCK_N)
     c_mask = offs_c < Cg
     c_in = g * Cg + offs_c
-    sc, sh = _scale_shift(pack_ptr, c_in, c_mask, C)  # fixed channels: loaded once, outside the loop
+    # fixed channels: the transform's vectors are derived once, outside the loop
+    sc, sh = _scale_shift(pack_ptr, c_in, c_mask, C)
+    X16: tl.constexpr = PRO16 != 0 and (x_ptr.dtype.element_ty == tl.float16
+                                         or x_ptr.dtype.element_ty == tl.bfloat16)
+    SCALED: tl.constexpr = X16 and x_ptr.dtype.element_ty == tl.float16
+    if X16:
+        nm16, s16, b16 = _vectors16_of(_load_row(pack_ptr + c_in, c_mask), sc, sh, x_ptr.dtype.element_ty)
     dh = r * DIL_H - PAD_H
     dw_ = s * DIL_W - PAD_W
     PADDED: tl.constexpr = R * S > 1 or PAD_H > 0 or PAD_W > 0
@@ -475,7 +489,10 @@ def _wgrad_tile(
                     xt = tl.load(xp)
                 else:
                     xt = tl.load(xp, mask=c_mask[:, None], other=0.0)
-            at = _preact_t(xt, sc, sh, DOT_DTYPE, ASM)
+            if X16:
+                at = _preact16_t(xt, nm16, s16, b16, PRO16 == 2).to(DOT_DTYPE)
+            else:
+                at = _preact_t(xt, sc, sh, DOT_DTYPE, ASM)
             dyt = _dy_piece(dy_rows, dy_off, kb, 0, Kg, g, sdc, valid, USE_ROWS, EVEN_K, KP, BLOCK_M)
             acc0 = tl.dot(at, dyt.to(DOT_DTYPE), acc0, input_precision=INPUT_PRECISION)
             if NKP > 1:
@@ -486,6 +503,12 @@ def _wgrad_tile(
                 acc2 = tl.dot(at, dyt.to(DOT_DTYPE), acc2, input_precision=INPUT_PRECISION)
                 dyt = _dy_piece(dy_rows, dy_off, kb, 3, Kg, g, sdc, valid, USE_ROWS, EVEN_K, KP, BLOCK_M)
                 acc3 = tl.dot(at, dyt.to(DOT_DTYPE), acc3, input_precision=INPUT_PRECISION)
+        if SCALED:  # 2^e per input channel (a row of dWᵀ): exact
+            up = _pow2(_channel_exponent(_load_row(pack_ptr + c_in, c_mask), sc, sh, x_ptr.dtype.element_ty))[:, None]
+            acc0 *= up
+            acc1 *= up
+            acc2 *= up
+            acc3 *= up
         _dw_piece(dw_ptr, acc0, kb, 0, Kg, Cg, K, g, offs_c, c_mask, r, s, rs, split, swk, swc, swr, sws, R, S, SPLIT_K,
                   KP, BLOCK_M)
         if NKP > 1:
@@ -519,7 +542,7 @@ def _wgrad_kernel(
     EVEN_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
     SUM_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, ASM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    PRO16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
     """Two roles in one launch (1-D grid), each needing only what the dgrad launch before it wrote.
@@ -537,7 +560,7 @@ def _wgrad_kernel(
         _wgrad_tile(dy_ptr, sdn, sdh, sdw, sdc, x_ptr, sxn, sxh, sxw, sxc, pack_ptr, dw_ptr, swk, swc, swr, sws,
                     pid, M, CHUNK, H, W, C, P, Q, K, Q_MUL, Q_SHR, PQ_MUL, PQ_SHR, CQ, CPQ, GROUPS, R, S,
                     STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SPLIT_K, LINEAR, EVEN_M, EVEN_K, EVEN_C,
-                    DOT_DTYPE, INPUT_PRECISION, IDX64, ASM, BLOCK_M, BLOCK_N, BLOCK_R)
+                    DOT_DTYPE, INPUT_PRECISION, IDX64, ASM, PRO16, BLOCK_M, BLOCK_N, BLOCK_R)
     elif SUM_MODE != 0:
         cols = (pid - NUM_WGRAD) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C

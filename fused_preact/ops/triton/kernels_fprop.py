@@ -6,18 +6,13 @@ every iteration loads an x tile (``BLOCK_M`` output pixels × ``BLOCK_K`` channe
 weight tile, transforms the x tile and feeds the tensor cores. Counters replace divisions; the row
 addresses are loop-invariant and an iteration adds one scalar offset.
 
-The transform of 16-bit inputs (:func:`_preact16`) runs in packed 16-bit arithmetic, two elements per
-instruction, on the tile in the MMA operand layout (Triton reads the tile from shared memory straight
-into the wgmma/mma registers; no layout round trip). It is BatchNorm centred on a representable mean:
-
-    a = relu((x − m̃)·s̃ + b̃),   m̃ = DT(mean), s̃ = DT(scale), b̃ = DT(shift + m̃·scale)
-
-(``DT`` the input dtype; the subtraction is exact for x within a factor 2 of m̃, so a mean large
-against the spread costs no accuracy; the multiply-add rounds once, like eager's fp32 ``x·scale +
-shift`` rounded to DT). fp16 scales beyond fp16's range: the vectors are scaled by 2^−e (e from the
-largest |s|, |b| of the call) and the accumulator by 2^e in the epilogue, both exact. The vectors are
-derived once per program from the fp32 pack into the pack's scratch rows (identical values from every
-program). fp32 inputs keep the fp32 transform (``kernels_conv._preact``).
+The transform of 16-bit inputs (:func:`.prologue16._preact16`, the form and its roundings described
+there) runs in packed 16-bit arithmetic, two elements per instruction, on the tile in the MMA operand
+layout (Triton reads the tile from shared memory straight into the wgmma/mma registers; no layout
+round trip). The exponent e of fp16's scaling is one per call, from the largest |s|, |b| of the
+call's channels. The vectors are derived once per program from the fp32 pack into the pack's scratch
+rows (identical values from every program). fp32 inputs keep the fp32 transform
+(``kernels_conv._preact``).
 
 Padding: a padded tap reads a clamped in-bounds pixel and the transform zeroes it (a padded ``a`` is
 0, not ``relu(shift)``); the row mask reaches the transform as loaded data (a −1 word loaded with the
@@ -31,9 +26,7 @@ from __future__ import annotations
 from fused_preact.ops._common import tl, triton
 from fused_preact.ops.triton.kernels_bn import tile_mean_m2
 from fused_preact.ops.triton.kernels_conv import PACK_ROWS16, _load_row, _preact, _relu_nan, _scale_shift
-
-#: fp16 vectors are scaled below 2**15 (< 65504 after rounding).
-_FP16_EXP_LIMIT = tl.constexpr(127 + 14)
+from fused_preact.ops.triton.prologue16 import _pack16_absmax, _pow2, _pow2_exponent, _preact16
 
 
 @triton.jit
@@ -62,40 +55,13 @@ def _pack16_ptrs(pack_ptr, C, DT: tl.constexpr):
 
 
 @triton.jit
-def _pack16_absmax(pack_ptr, c_lo, n_ch, C, DT: tl.constexpr, BLOCK: tl.constexpr):
-    """Largest finite |scale| and |shift + m̃·scale| over channels ``[c_lo, c_lo + n_ch)`` (0 if none)."""
-    mx = tl.zeros([BLOCK], dtype=tl.float32)
-    for c0 in range(c_lo, c_lo + n_ch, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        cm = cols < c_lo + n_ch
-        mean = tl.load(pack_ptr + cols, mask=cm, other=0.0)
-        scale = tl.load(pack_ptr + 3 * C + cols, mask=cm, other=0.0)
-        shift = tl.load(pack_ptr + 4 * C + cols, mask=cm, other=0.0)
-        v = tl.maximum(tl.abs(scale), tl.abs(tl.fma(mean.to(DT).to(tl.float32), scale, shift)))
-        mx = tl.maximum(mx, tl.where(v < float("inf"), v, 0.0))  # NaN and inf: not counted
-    return tl.max(mx, axis=0)
-
-
-@triton.jit
-def _pow2_exponent(absmax):
-    """e ≥ 0 such that absmax·2^−e < 2^15: the biased fp32 exponent of ``absmax`` beyond 127 + 14."""
-    return tl.maximum(((absmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - _FP16_EXP_LIMIT, 0)
-
-
-@triton.jit
 def _scale_exponent(pack_ptr, C, pack2_ptr, C2, HAS_PROJ: tl.constexpr, DT: tl.constexpr):
     """The call's e (:func:`_pow2_exponent`) over every channel of ``pack`` and, with HAS_PROJ,
     ``pack2``: one e for all programs and groups, so every program writes the same scratch values."""
-    mx = _pack16_absmax(pack_ptr, 0, C, C, DT, 256)
+    mx = _pack16_absmax(pack_ptr, 0, C, C, DT, False, 256)
     if HAS_PROJ:
-        mx = tl.maximum(mx, _pack16_absmax(pack2_ptr, 0, C2, C2, DT, 256))
+        mx = tl.maximum(mx, _pack16_absmax(pack2_ptr, 0, C2, C2, DT, False, 256))
     return _pow2_exponent(mx)
-
-
-@triton.jit
-def _pow2(e):
-    """2^e as fp32 for an int32 e in [−126, 127] (exact)."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -111,53 +77,12 @@ def _write_pack16(pack_ptr, c_lo, n_ch, C, down, DT: tl.constexpr, BLOCK: tl.con
         mean = tl.load(pack_ptr + cols, mask=cm, other=0.0)
         scale = tl.load(pack_ptr + 3 * C + cols, mask=cm, other=0.0)
         shift = tl.load(pack_ptr + 4 * C + cols, mask=cm, other=0.0)
-        # −m̃ from −mean (rounding is symmetric; negating 16-bit values misbehaves in the interpreter)
+        # The values of prologue16._vectors16, written out: calling it reorders these stores, and ptxas
+        # then schedules the fp16 loops of 16-channel tiles worse (static: 9.25 → 10.75 for a 3×3).
         tl.store(v16 + cols, (-mean).to(DT), mask=cm)
         tl.store(v16 + C + cols, (scale * down).to(DT), mask=cm)
         tl.store(v16 + 2 * C + cols, (tl.fma(mean.to(DT).to(tl.float32), scale, shift) * down).to(DT), mask=cm)
     tl.store(ones, -1)
-
-
-@triton.jit
-def _preact16(xt, nm, s, b, keep, HAS_KEEP: tl.constexpr, PTX: tl.constexpr):
-    """``relu((x + nm)·s + b)`` of a 16-bit x tile in its dtype (``nm`` = −m̃, ``s``, ``b``: vectors over
-    the tile's columns), 0 in the rows where the int32 ``keep`` is 0 (−1: kept; HAS_KEEP).
-
-    Two roundings to the tile's dtype — ``d = x + nm`` and ``relu(d·s + b)`` (one fused multiply-add)
-    — and a ReLU that keeps NaN and maps −inf to 0. PTX: packed instructions, two elements each
-    (``fma.rn{.relu}.{bf16x2,f16x2}``, the row mask an AND with ``keep`` narrowed to 16 bits, so each
-    element of a pair carries its own row's mask whatever rows the register layout pairs). Otherwise (Triton's interpreter, where
-    inline PTX does not run) the same roundings from exact float64 sums and products; bf16 goes
-    through float32 there (the interpreter's float64→bf16 conversion is wrong, its float32→bf16 one
-    truncates, so bf16 results differ from the GPU's in the last bit; fp16 ones do not)."""
-    DT: tl.constexpr = xt.dtype
-    BM: tl.constexpr = xt.shape[0]
-    BK: tl.constexpr = xt.shape[1]
-    nm2 = tl.broadcast_to(nm[None, :], [BM, BK])
-    s2 = tl.broadcast_to(s[None, :], [BM, BK])
-    b2 = tl.broadcast_to(b[None, :], [BM, BK])
-    if PTX:
-        ONE: tl.constexpr = "0x3F803F80" if DT == tl.bfloat16 else "0x3C003C00"
-        SFX: tl.constexpr = "bf16x2" if DT == tl.bfloat16 else "f16x2"
-        if HAS_KEEP:
-            a = tl.inline_asm_elementwise(
-                "{ .reg .b32 t, one; mov.b32 one, " + ONE + "; fma.rn." + SFX + " t, $1, one, $2; fma.rn.relu."
-                + SFX + " t, t, $3, $4; and.b32 $0, t, $5; }",
-                "=r,r,r,r,r,r", [xt, nm2, s2, b2, tl.broadcast_to(keep.to(tl.int16)[:, None], [BM, BK])],
-                dtype=xt.dtype, is_pure=True, pack=2)
-        else:
-            a = tl.inline_asm_elementwise(
-                "{ .reg .b32 t, one; mov.b32 one, " + ONE + "; fma.rn." + SFX + " t, $1, one, $2; fma.rn.relu."
-                + SFX + " $0, t, $3, $4; }",
-                "=r,r,r,r,r", [xt, nm2, s2, b2], dtype=xt.dtype, is_pure=True, pack=2)
-    else:
-        VIA: tl.constexpr = tl.float32 if DT == tl.bfloat16 else tl.float64
-        d = (xt.to(tl.float64) + nm2.to(tl.float64)).to(VIA).to(DT)
-        z = d.to(tl.float64) * s2.to(tl.float64) + b2.to(tl.float64)
-        a = tl.where(z < 0.0, 0.0, z).to(VIA).to(DT)
-        if HAS_KEEP:
-            a = tl.where(keep[:, None] != 0, a, 0.0)
-    return a
 
 
 @triton.jit(do_not_specialize=("M", "H", "W", "P", "Q", "H2", "W2"))

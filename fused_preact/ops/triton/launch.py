@@ -110,6 +110,12 @@ def _geo(g: ConvGeom, in_shape, out_shape) -> dict:
                 DIL_H=g.dilation[0], DIL_W=g.dilation[1])
 
 
+def _pro16(cdtype: torch.dtype) -> int:
+    """The packed 16-bit transform of 16-bit inputs: 0 (fp32 compute dtype: fp32 transform), 1 (its
+    interpreter form) or 2 (inline PTX; compiled kernels)."""
+    return 0 if cdtype not in (torch.float16, torch.bfloat16) else 1 if interpreting() else 2
+
+
 def _dot(cdtype: torch.dtype, idx64: bool) -> dict:
     return dict(DOT_DTYPE=dot_dtype(cdtype), INPUT_PRECISION=input_precision(cdtype), IDX64=idx64)
 
@@ -173,7 +179,7 @@ def fprop(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Tensor, 
     block_k2 = p2(C2, 16, 256 if interpreting() else cfg.BLOCK_K)
     Cg, Kg = u.in_shape[1] // g.groups, K // g.groups
     even_c = Cg % cfg.BLOCK_K == 0 and (proj_w is None or C2 % block_k2 == 0)
-    pro16 = 0 if cdtype not in (torch.float16, torch.bfloat16) else 1 if interpreting() else 2
+    pro16 = _pro16(cdtype)
     kw = dict(**_geo(g, u.in_shape, u.out_shape), H2=x0_shape[2], W2=x0_shape[3], C2=C2, STRIDE2=proj_stride,
               HAS_BIAS=bias is not None, HAS_PROJ=proj_w is not None, HAS_RES=residual, STATS=part is not None,
               **_dot(cdtype, idx64), PRO16=pro16, EVEN_C=even_c, EVEN_N=Kg % cfg.BLOCK_N == 0,
@@ -252,7 +258,8 @@ def wgrad(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmConfig, s
               LINEAR=_linear(g, in_shape, out_shape, in_strides, dy_strides, M + cfg.BLOCK_K),
               EVEN_M=M % cfg.BLOCK_K == 0, EVEN_K=K // g.groups % cfg.BLOCK_M == 0,
               EVEN_C=C // g.groups % cfg.BLOCK_N == 0, SUM_MODE=sum_mode, HAS_GAMMA=dgamma is not None,
-              **_dot(cdtype, idx64), ASM=not interpreting(), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_R=cfg.BLOCK_K,
+              **_dot(cdtype, idx64), ASM=not interpreting(), PRO16=_pro16(cdtype),
+              BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_R=cfg.BLOCK_K,
               BLOCK_C=block_c if fold else 16, BLOCK_P=_block_p(num_parts) if fold else 16,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if _recorder is not None:

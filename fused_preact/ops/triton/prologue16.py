@@ -1,0 +1,156 @@
+"""The packed 16-bit BN+ReLU transform shared by the fprop and wgrad kernels (jit helpers only).
+
+For a 16-bit input (``DT`` = fp16 or bf16) both kernels compute the pre-activation as BatchNorm
+centred on a representable mean:
+
+    a = relu((x − m̃)·s̃ + b̃),   m̃ = DT(mean), s̃ = DT(scale·2^−e), b̃ = DT((shift + m̃·scale)·2^−e)
+
+two roundings to ``DT`` (``d = x − m̃``, exact for x within a factor 2 of m̃, then one fused
+multiply-add), a ReLU that keeps NaN and maps −inf to 0, and an exponent ``e ≥ 0`` (fp16 only; 0 for
+bf16) that brings the vectors into fp16's range; the kernel multiplies its fp32 accumulator by 2^e,
+so both scalings are exact. On a GPU each pair of elements is two packed instructions
+(``fma.rn{.relu}.{bf16x2,f16x2}``, PTX ISA 7.8, sm_80+); under Triton's interpreter, where inline PTX
+does not run, the same roundings are computed from exact float64 sums and products.
+
+Source of the semantics: ``F.batch_norm`` → ``F.relu``; eager PyTorch rounds ``x·scale + shift``
+once from fp32, so this form differs from it by at most one more rounding of ``d`` (see
+docs/semantics.md).
+"""
+
+from __future__ import annotations
+
+from fused_preact.ops._common import tl, triton
+
+#: fp16 vectors are scaled below 2**15 (< 65504 after rounding).
+_FP16_EXP_LIMIT = tl.constexpr(127 + 14)
+
+
+@triton.jit
+def _absmax16(mean, scale, shift, DT: tl.constexpr, WITH_SHIFT: tl.constexpr):
+    """Per channel, the largest of |scale| and |shift + m̃·scale| (with WITH_SHIFT also |shift|, the
+    value ``(0 − m̃)·s̃ + b̃`` approaches) that is finite, else 0 (NaN and inf are not counted)."""
+    v = tl.maximum(tl.abs(scale), tl.abs(tl.fma(mean.to(DT).to(tl.float32), scale, shift)))
+    if WITH_SHIFT:
+        v = tl.maximum(v, tl.abs(shift))
+    return tl.where(v < float("inf"), v, 0.0)
+
+
+@triton.jit
+def _pack16_absmax(pack_ptr, c_lo, n_ch, C, DT: tl.constexpr, WITH_SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`_absmax16` over channels ``[c_lo, c_lo + n_ch)`` of a pack (0 if none): a loop of its own
+    loads, so the reduction's layout stays apart from the tiles' (a shared vector would tie the
+    transform to it)."""
+    mx = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(c_lo, c_lo + n_ch, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        cm = cols < c_lo + n_ch
+        mean = tl.load(pack_ptr + cols, mask=cm, other=0.0)
+        scale = tl.load(pack_ptr + 3 * C + cols, mask=cm, other=0.0)
+        shift = tl.load(pack_ptr + 4 * C + cols, mask=cm, other=0.0)
+        mx = tl.maximum(mx, _absmax16(mean, scale, shift, DT, WITH_SHIFT))
+    return tl.max(mx, axis=0)
+
+
+@triton.jit
+def _pow2_exponent(absmax):
+    """e ≥ 0 such that absmax·2^−e < 2^15: the biased fp32 exponent of ``absmax`` beyond 127 + 14."""
+    return tl.maximum(((absmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - _FP16_EXP_LIMIT, 0)
+
+
+@triton.jit
+def _pow2(e):
+    """2^e as fp32 for an int32 e in [−126, 127] (exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _vectors16(mean, scale, shift, down, DT: tl.constexpr):
+    """(−m̃, s̃, b̃) in ``DT`` from the fp32 mean, scale and shift of a pack (``down`` = 2^−e): each
+    rounded once from fp32. −m̃ is rounded from −mean (rounding is symmetric; negating 16-bit values
+    misbehaves in the interpreter)."""
+    nm = (-mean).to(DT)
+    s = (scale * down).to(DT)
+    b = (tl.fma(mean.to(DT).to(tl.float32), scale, shift) * down).to(DT)
+    return nm, s, b
+
+
+@triton.jit
+def _channel_exponent(mean, scale, shift, DT: tl.constexpr):
+    """Per channel, the e of a kernel that scales each channel by its own 2^−e (fp16; the scalar 0 for
+    bf16). It
+    covers |shift| too: a masked (zero) x transforms to about shift·2^−e, which must stay finite. An
+    elementwise e: a reduction over channels would take the transform out of the MMA operand layout."""
+    if DT == tl.float16:
+        e = _pow2_exponent(_absmax16(mean, scale, shift, DT, True))
+    else:
+        e = 0
+    return e
+
+
+@triton.jit
+def _vectors16_of(mean, scale, shift, DT: tl.constexpr):
+    """:func:`_vectors16` with each channel's own exponent (:func:`_channel_exponent`); the kernel
+    multiplies what it accumulates from channel c by 2^e_c."""
+    if DT == tl.float16:
+        v = _vectors16(mean, scale, shift, _pow2(-_channel_exponent(mean, scale, shift, DT)), DT)
+    else:
+        v = _vectors16(mean, scale, shift, 1.0, DT)
+    return v
+
+
+@triton.jit
+def _preact16_2d(xt, nm2, s2, b2, keep2, HAS_KEEP: tl.constexpr, PTX: tl.constexpr):
+    """``relu((x + nm)·s + b)`` of a 16-bit tile in its dtype, with the vectors already broadcast to the
+    tile's shape; 0 where the int16 ``keep2`` is 0 (−1: kept; HAS_KEEP).
+
+    PTX: packed instructions, two elements each (the mask an AND with ``keep2``, so each element of a
+    pair carries its own mask whatever elements the register layout pairs). Otherwise the same
+    roundings from exact float64 sums and products; bf16 goes through float32 there (the
+    interpreter's float64→bf16 conversion is wrong, its float32→bf16 one truncates, so bf16 results
+    differ from the GPU's in the last bit; fp16 ones do not)."""
+    DT: tl.constexpr = xt.dtype
+    if PTX:
+        ONE: tl.constexpr = "0x3F803F80" if DT == tl.bfloat16 else "0x3C003C00"
+        SFX: tl.constexpr = "bf16x2" if DT == tl.bfloat16 else "f16x2"
+        if HAS_KEEP:
+            a = tl.inline_asm_elementwise(
+                "{ .reg .b32 t, one; mov.b32 one, " + ONE + "; fma.rn." + SFX + " t, $1, one, $2; fma.rn.relu."
+                + SFX + " t, t, $3, $4; and.b32 $0, t, $5; }",
+                "=r,r,r,r,r,r", [xt, nm2, s2, b2, keep2], dtype=xt.dtype, is_pure=True, pack=2)
+        else:
+            a = tl.inline_asm_elementwise(
+                "{ .reg .b32 t, one; mov.b32 one, " + ONE + "; fma.rn." + SFX + " t, $1, one, $2; fma.rn.relu."
+                + SFX + " $0, t, $3, $4; }",
+                "=r,r,r,r,r", [xt, nm2, s2, b2], dtype=xt.dtype, is_pure=True, pack=2)
+    else:
+        VIA: tl.constexpr = tl.float32 if DT == tl.bfloat16 else tl.float64
+        d = (xt.to(tl.float64) + nm2.to(tl.float64)).to(VIA).to(DT)
+        z = d.to(tl.float64) * s2.to(tl.float64) + b2.to(tl.float64)
+        a = tl.where(z < 0.0, 0.0, z).to(VIA).to(DT)
+        if HAS_KEEP:
+            a = tl.where(keep2 != 0, a, 0.0)
+    return a
+
+
+@triton.jit
+def _preact16(xt, nm, s, b, keep, HAS_KEEP: tl.constexpr, PTX: tl.constexpr):
+    """:func:`_preact16_2d` of an (rows × channels) tile: ``nm`` = −m̃, ``s``, ``b`` vectors over its
+    columns, ``keep`` an int32 vector over its rows (−1: kept, 0: zeroed; HAS_KEEP)."""
+    BM: tl.constexpr = xt.shape[0]
+    BK: tl.constexpr = xt.shape[1]
+    nm2 = tl.broadcast_to(nm[None, :], [BM, BK])
+    s2 = tl.broadcast_to(s[None, :], [BM, BK])
+    b2 = tl.broadcast_to(b[None, :], [BM, BK])
+    keep2 = None
+    if HAS_KEEP:
+        keep2 = tl.broadcast_to(keep.to(tl.int16)[:, None], [BM, BK])
+    return _preact16_2d(xt, nm2, s2, b2, keep2, HAS_KEEP, PTX)
+
+
+@triton.jit
+def _preact16_t(xt, nm, s, b, PTX: tl.constexpr):
+    """:func:`_preact16_2d` of a transposed (channels × rows) tile: the vectors run over its rows."""
+    BC: tl.constexpr = xt.shape[0]
+    BR: tl.constexpr = xt.shape[1]
+    return _preact16_2d(xt, tl.broadcast_to(nm[:, None], [BC, BR]), tl.broadcast_to(s[:, None], [BC, BR]),
+                        tl.broadcast_to(b[:, None], [BC, BR]), None, False, PTX)
