@@ -21,8 +21,8 @@ channels_last inputs and expanded gradients are read in place):
 The pre-activation is ``a = relu(x·scale + shift)`` with PyTorch's NaN semantics (``relu(NaN) = NaN``,
 ``relu(-inf) = 0``), and the conv's padded taps are zeros of ``a`` — masked after the transform
 (a padded ``a`` is 0, not ``relu(shift)``). wgrad computes ``a`` of 16-bit inputs as the forward does
-(:mod:`.prologue16`); dgrad's ReLU mask is decided in fp32. ReLU's backward mask is ``threshold_backward``'s
-``a <= 0 → 0``, so a NaN activation passes its gradient, as in eager PyTorch.
+(:mod:`.prologue16`); dgrad decides the ReLU mask in fp32. ReLU's backward mask is
+``threshold_backward``'s ``a <= 0 → 0``, so a NaN activation passes its gradient, as in eager PyTorch.
 
 Source of the dataflow: docs/design.md; semantics: ``F.batch_norm`` → ``F.relu`` → ``F.conv2d``.
 """
@@ -503,8 +503,9 @@ def _wgrad_tile(
                 acc2 = tl.dot(at, dyt.to(DOT_DTYPE), acc2, input_precision=INPUT_PRECISION)
                 dyt = _dy_piece(dy_rows, dy_off, kb, 3, Kg, g, sdc, valid, USE_ROWS, EVEN_K, KP, BLOCK_M)
                 acc3 = tl.dot(at, dyt.to(DOT_DTYPE), acc3, input_precision=INPUT_PRECISION)
-        if SCALED:  # 2^e per input channel (a row of dWᵀ): exact
-            up = _pow2(_channel_exponent(_load_row(pack_ptr + c_in, c_mask), sc, sh, x_ptr.dtype.element_ty))[:, None]
+        if SCALED:  # 2^e per input channel (a row of dWᵀ): exact; e again (not held through the loop)
+            mean = _load_row(pack_ptr + c_in, c_mask)
+            up = _pow2(_channel_exponent(mean, sc, sh, x_ptr.dtype.element_ty))[:, None]
             acc0 *= up
             acc1 *= up
             acc2 *= up

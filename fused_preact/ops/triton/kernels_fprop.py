@@ -58,9 +58,9 @@ def _pack16_ptrs(pack_ptr, C, DT: tl.constexpr):
 def _scale_exponent(pack_ptr, C, pack2_ptr, C2, HAS_PROJ: tl.constexpr, DT: tl.constexpr):
     """The call's e (:func:`_pow2_exponent`) over every channel of ``pack`` and, with HAS_PROJ,
     ``pack2``: one e for all programs and groups, so every program writes the same scratch values."""
-    mx = _pack16_absmax(pack_ptr, 0, C, C, DT, False, 256)
+    mx = _pack16_absmax(pack_ptr, 0, C, C, DT, 256)
     if HAS_PROJ:
-        mx = tl.maximum(mx, _pack16_absmax(pack2_ptr, 0, C2, C2, DT, False, 256))
+        mx = tl.maximum(mx, _pack16_absmax(pack2_ptr, 0, C2, C2, DT, 256))
     return _pow2_exponent(mx)
 
 

@@ -36,10 +36,9 @@ def _absmax16(mean, scale, shift, DT: tl.constexpr, WITH_SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _pack16_absmax(pack_ptr, c_lo, n_ch, C, DT: tl.constexpr, WITH_SHIFT: tl.constexpr, BLOCK: tl.constexpr):
-    """:func:`_absmax16` over channels ``[c_lo, c_lo + n_ch)`` of a pack (0 if none): a loop of its own
-    loads, so the reduction's layout stays apart from the tiles' (a shared vector would tie the
-    transform to it)."""
+def _pack16_absmax(pack_ptr, c_lo, n_ch, C, DT: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`_absmax16` (without |shift|) over channels ``[c_lo, c_lo + n_ch)`` of a pack, reduced to
+    one value (0 if none): the base of fprop's one exponent per call."""
     mx = tl.zeros([BLOCK], dtype=tl.float32)
     for c0 in range(c_lo, c_lo + n_ch, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
@@ -47,7 +46,7 @@ def _pack16_absmax(pack_ptr, c_lo, n_ch, C, DT: tl.constexpr, WITH_SHIFT: tl.con
         mean = tl.load(pack_ptr + cols, mask=cm, other=0.0)
         scale = tl.load(pack_ptr + 3 * C + cols, mask=cm, other=0.0)
         shift = tl.load(pack_ptr + 4 * C + cols, mask=cm, other=0.0)
-        mx = tl.maximum(mx, _absmax16(mean, scale, shift, DT, WITH_SHIFT))
+        mx = tl.maximum(mx, _absmax16(mean, scale, shift, DT, False))
     return tl.max(mx, axis=0)
 
 
