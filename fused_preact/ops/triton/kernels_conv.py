@@ -305,50 +305,13 @@ def _dgrad_kernel(
     tl.store(prow + C, tl.sum(dz * xhat, axis=0), mask=n_mask)
 
 
-#: One inline-PTX step per pair of 16-bit activations (x packed in one register, two fp32 scales and
-#: shifts): widen to fp32, one fma each (a single rounding), then round both to 16 bits with ``.relu``
-#: (negatives to 0, NaN kept). Five instructions per pair; Triton's own lowering of the same
-#: expression widens the upper half with two.
-_PREACT_BF16X2 = tl.constexpr("""{
-.reg .b32 lo, hi;
-shl.b32 lo, $1, 16;
-and.b32 hi, $1, 0xffff0000;
-fma.rn.f32 lo, lo, $2, $4;
-fma.rn.f32 hi, hi, $3, $5;
-cvt.rn.relu.bf16x2.f32 $0, hi, lo;
-}""")
-_PREACT_F16X2 = tl.constexpr("""{
-.reg .f16 l, h;
-.reg .f32 zl, zh;
-mov.b32 {l, h}, $1;
-cvt.f32.f16 zl, l;
-cvt.f32.f16 zh, h;
-fma.rn.f32 zl, zl, $2, $4;
-fma.rn.f32 zh, zh, $3, $5;
-cvt.rn.relu.f16x2.f32 $0, zh, zl;
-}""")
-
-
 @triton.jit
-def _preact_t(xt, sc, sh, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr):
+def _preact_t(xt, sc, sh, DOT_DTYPE: tl.constexpr):
     """``relu(x·scale + shift)`` of a transposed x tile (channels × rows; ``sc``/``sh`` per row) in
-    DOT_DTYPE: one fp32 fma (a single rounding), then the rounding to DOT_DTYPE. With ASM (compiled
-    16-bit kernels) each pair of values is one inline-PTX step whose ReLU rides on the conversion
-    (``cvt.rn.relu``: clamps negatives to 0, keeps NaN), which equals rounding ``_relu_nan(z)``
-    (rounding is monotone and keeps the sign)."""
-    if ASM and DOT_DTYPE == tl.bfloat16:
-        return tl.inline_asm_elementwise(_PREACT_BF16X2, "=r,r,r,r,r,r",
-                                         [xt, tl.broadcast_to(sc[:, None], xt.shape),
-                                          tl.broadcast_to(sh[:, None], xt.shape)],
-                                         dtype=tl.bfloat16, is_pure=True, pack=2)
-    elif ASM and DOT_DTYPE == tl.float16:
-        return tl.inline_asm_elementwise(_PREACT_F16X2, "=r,r,r,r,r,r",
-                                         [xt, tl.broadcast_to(sc[:, None], xt.shape),
-                                          tl.broadcast_to(sh[:, None], xt.shape)],
-                                         dtype=tl.float16, is_pure=True, pack=2)
-    else:
-        z = tl.fma(xt.to(tl.float32), sc[:, None], sh[:, None])
-        return _relu_nan(z).to(DOT_DTYPE)
+    DOT_DTYPE: one fp32 fma (a single rounding), then the rounding to DOT_DTYPE. wgrad's fp32 x (an
+    fp32 compute dtype, or an fp32 chain input under autocast); 16-bit x take :mod:`.prologue16`."""
+    z = tl.fma(xt.to(tl.float32), sc[:, None], sh[:, None])
+    return _relu_nan(z).to(DOT_DTYPE)
 
 
 @triton.jit
@@ -360,8 +323,8 @@ def _wgrad_tile(
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr,
     DIL_H: tl.constexpr, DIL_W: tl.constexpr, SPLIT_K: tl.constexpr, LINEAR: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, ASM: tl.constexpr,
-    PRO16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, PRO16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """One (k-block, c-block, tap, group, split) tile of ``dW[k, c, r, s] = Σ_m dy[m, k] ·
     relu(x[pix(m,r,s), c]·scale[c] + shift[c])`` over rows ``[split·CHUNK, (split+1)·CHUNK)``: stored in
@@ -492,7 +455,7 @@ def _wgrad_tile(
             if X16:
                 at = _preact16_t(xt, nm16, s16, b16, PRO16 == 2).to(DOT_DTYPE)
             else:
-                at = _preact_t(xt, sc, sh, DOT_DTYPE, ASM)
+                at = _preact_t(xt, sc, sh, DOT_DTYPE)
             dyt = _dy_piece(dy_rows, dy_off, kb, 0, Kg, g, sdc, valid, USE_ROWS, EVEN_K, KP, BLOCK_M)
             acc0 = tl.dot(at, dyt.to(DOT_DTYPE), acc0, input_precision=INPUT_PRECISION)
             if NKP > 1:
@@ -542,8 +505,8 @@ def _wgrad_kernel(
     DIL_H: tl.constexpr, DIL_W: tl.constexpr, SPLIT_K: tl.constexpr, LINEAR: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
     SUM_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, ASM: tl.constexpr,
-    PRO16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, PRO16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
     """Two roles in one launch (1-D grid), each needing only what the dgrad launch before it wrote.
@@ -561,7 +524,7 @@ def _wgrad_kernel(
         _wgrad_tile(dy_ptr, sdn, sdh, sdw, sdc, x_ptr, sxn, sxh, sxw, sxc, pack_ptr, dw_ptr, swk, swc, swr, sws,
                     pid, M, CHUNK, H, W, C, P, Q, K, Q_MUL, Q_SHR, PQ_MUL, PQ_SHR, CQ, CPQ, GROUPS, R, S,
                     STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SPLIT_K, LINEAR, EVEN_M, EVEN_K, EVEN_C,
-                    DOT_DTYPE, INPUT_PRECISION, IDX64, ASM, PRO16, BLOCK_M, BLOCK_N, BLOCK_R)
+                    DOT_DTYPE, INPUT_PRECISION, IDX64, PRO16, BLOCK_M, BLOCK_N, BLOCK_R)
     elif SUM_MODE != 0:
         cols = (pid - NUM_WGRAD) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C
