@@ -89,7 +89,7 @@ class StaticJob:
 #: SMs per GPU used for the wgrad split: H100 SXM5 (sm_90) 132, A100 (sm_80) 108 (NVIDIA data sheets).
 SM_COUNT: dict[int, int] = {90: 132, 80: 108}
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-_CONV = {"fprop", "fprop_proj", "dgrad", "wgrad"}
+_CONV = {"fprop", "fprop_proj", "dgrad", "wgrad", "wgrad_proj"}
 
 
 def _triton_backend():
