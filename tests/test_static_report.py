@@ -55,8 +55,8 @@ def _by(obj: dict, kernel: str) -> dict[str, dict]:
 @needs_tools
 def test_report_on_one_layer_and_cache(tmp_path):
     """The op's own jobs for one CIFAR unit (bf16, fprop and the elementwise dx): sane fields, tensor
-    cores in the conv kernel on both archs; a second run takes every compilation from the metrics
-    cache."""
+    cores in the conv kernel on both archs, autocast's fp32-input launches among them; a second run
+    takes every compilation from the metrics cache."""
     args = ["--models", "preact_resnet164", "--layers", "layer1.1/conv2", "--dtypes", "bf16",
             "--kernels", "fprop", "dx"]
     proc, obj = _static(tmp_path, *args)
@@ -72,7 +72,13 @@ def test_report_on_one_layer_and_cache(tmp_path):
         assert e["shapes"] and all("preact_resnet164/" in s for s in e["shapes"])
     for e in conv:
         assert e["mma"] > 0 and e["mma_by_op"].get("HGMMA" if e["arch"] == "sm_90" else "HMMA") == e["mma"]
-        assert e["signature"]["x_ptr"] == "*bf16%16"  # aligned tensors carry the divisibility attribute
+        # aligned tensors carry the divisibility attribute; autocast's launches (x32) read an fp32 input
+        # or residual
+        if "x32" in e["variant"]:
+            assert "*fp32%16" in (e["signature"]["x_ptr"], e["signature"].get("xin_ptr")), e["signature"]
+        else:
+            assert e["signature"]["x_ptr"] == "*bf16%16"
+    assert any("x32" in e["variant"] for e in conv) and any("x32" not in e["variant"] for e in conv)
     assert "fprop" in proc.stdout and "regs" in proc.stdout  # the table
 
     again, obj2 = _static(tmp_path, *args)

@@ -15,7 +15,9 @@ would run, so the report compiles what runs. Recorded per block and dtype:
     clamped per unit, as the tuner clamps them), each applied to every conv of the block; each job's
     ``role`` says which (``default``/``candidate``);
     the wgrad K-split a GPU of each arch would choose (132 SMs on sm_90, 108 on sm_80), besides 1;
-    the output statistics epilogue on (a block followed by another) and off (the last block).
+    the output statistics epilogue on (a block followed by another) and off (the last block);
+    16-bit dtypes also under autocast: an fp32 input (and residual) with 16-bit compute, default tiles,
+    train mode; the launches that take fp32 activations are labelled ``x32`` in their variant.
 
 Meta tensors report ``data_ptr() == 0``, i.e. 16-byte aligned, as the caching allocator's blocks are.
 """
@@ -87,7 +89,7 @@ class StaticJob:
 #: SMs per GPU used for the wgrad split: H100 SXM5 (sm_90) 132, A100 (sm_80) 108 (NVIDIA data sheets).
 SM_COUNT: dict[int, int] = {90: 132, 80: 108}
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-_CONV = {"fprop", "fprop_proj", "dgrad", "wgrad"}
+_CONV = {"fprop", "fprop_proj", "dgrad", "wgrad", "wgrad_proj"}
 
 
 def _triton_backend():
@@ -134,13 +136,15 @@ def _meta_tensors(spec, dtype):
     return t
 
 
-def _record(spec, modes, x_shape, dtype, out_stats: bool, overrides=None, split: Optional[int] = None):
-    """The Launch records of one forward + backward of the chain (meta device: nothing runs)."""
+def _record(spec, modes, x_shape, dtype, out_stats: bool, overrides=None, split: Optional[int] = None,
+            x_dtype: Optional[torch.dtype] = None):
+    """The Launch records of one forward + backward of the chain (meta device: nothing runs), computing
+    in ``dtype`` on an input of ``x_dtype`` (default: ``dtype``; fp32 is autocast's case)."""
     from fused_preact.ops.spec import GradNeeds
 
     TritonPlan, _, recording = _triton_backend()
-    x = torch.empty(x_shape, device="meta", dtype=dtype).contiguous(memory_format=torch.channels_last)
-    plan = TritonPlan(spec, modes, x.shape, x.stride(), dtype, x.device, dtype, False, out_stats,
+    x = torch.empty(x_shape, device="meta", dtype=x_dtype or dtype).contiguous(memory_format=torch.channels_last)
+    plan = TritonPlan(spec, modes, x.shape, x.stride(), x.dtype, x.device, dtype, False, out_stats,
                       overrides=overrides, split=split, tune=False)
     t = _meta_tensors(spec, dtype)
     with recording() as launches:
@@ -190,25 +194,42 @@ def chain_jobs(units: Sequence[UnitShape], dtypes: Sequence[torch.dtype]) -> lis
             for train in (True, False):
                 modes = tuple(BNMode(BATCH if train else RUNNING, True, train) for _ in range(n))
                 for out_stats in ((True, False) if train else (False,)):
-                    runs.append((modes, out_stats, None, None, None, None))
+                    runs.append((modes, out_stats, None, None, None, None, None))
             modes = tuple(BNMode(BATCH, True, True) for _ in range(n))
+            if dtype != torch.float32:  # autocast: an fp32 input, 16-bit compute (default tiles)
+                runs.append((modes, True, None, None, None, None, torch.float32))
             plan, _ = _record(spec, modes, x_shape, dtype, True)
             for kind in ("fprop", "dgrad", "wgrad"):
                 per_unit = [_unit_candidates(kind, u, dtype, candidates) for u in plan.units]
                 for j in range(max(len(c) for c in per_unit)):
-                    runs.append((modes, True, {kind: [c[min(j, len(c) - 1)] for c in per_unit]}, None, None, kind))
+                    runs.append((modes, True, {kind: [c[min(j, len(c) - 1)] for c in per_unit]}, None, None, kind,
+                                 None))
             for arch, sms in SM_COUNT.items():
                 split = _gpu_split(plan, sms)
                 if split > 1:
-                    runs.append((modes, True, None, split, (arch,), None))
-            for modes_r, out_stats, over, split, archs, tuned in runs:
-                _, launches = _record(spec, modes_r, x_shape, dtype, out_stats, over, split)
+                    runs.append((modes, True, None, split, (arch,), None, None))
+            for modes_r, out_stats, over, split, archs, tuned, x_dtype in runs:
+                _, launches = _record(spec, modes_r, x_shape, dtype, out_stats, over, split, x_dtype)
                 for rec in launches:
                     # A candidate run overrides one kernel's tiles; its other launches keep their defaults.
                     role = "candidate" if rec.name == tuned else "default"
+                    x32 = "x32" if x_dtype is not None and _reads_fp32(rec) else ""
+                    variant = " ".join(v for v in (_variant(rec), x32) if v)
                     jobs.append(StaticJob(rec.name, _label(rec), rec.fn, rec.args, rec.kwargs, rec.name in _CONV,
-                                          _variant(rec), _NAMES[dtype], shape, archs, role))
+                                          variant, _NAMES[dtype], shape, archs, role))
     return jobs
+
+
+#: Kernel parameters that carry a chain's activations (input, residual, dx): fp32 in a 16-bit chain only
+#: under autocast.
+_ACTIVATIONS = ("x_ptr", "xin_ptr", "res_ptr", "dx_ptr")
+
+
+def _reads_fp32(rec) -> bool:
+    """Whether a launch of a 16-bit chain takes fp32 activations (autocast's fp32 input, its residual
+    or its gradient), which the report labels ``x32``."""
+    names = [p.name for p in rec.fn.params]
+    return any(n in _ACTIVATIONS and getattr(a, "dtype", None) == torch.float32 for n, a in zip(names, rec.args))
 
 
 def _unit_candidates(kind: str, u, dtype, candidates) -> list:

@@ -30,7 +30,7 @@ Source of the dataflow: docs/design.md; semantics: ``F.batch_norm`` → ``F.relu
 from __future__ import annotations
 
 from fused_preact.ops._common import tl, triton
-from fused_preact.ops.triton.kernels_grad import _cdiv_signed, _dw_piece, _dy_piece, _frac_range, _round_to, _udiv
+from fused_preact.ops.triton.kernels_grad import _both_below, _cdiv_signed, _dw_piece, _dy_piece, _frac_range, _round_to, _udiv
 from fused_preact.ops.triton.prologue16 import _channel_exponent, _pow2, _preact16_t, _vectors16_of
 
 # Rows of a pack: per-channel fp32 vectors of one BatchNorm, written by the finalize kernel.
@@ -324,7 +324,7 @@ def _wgrad_tile(
     DIL_H: tl.constexpr, DIL_W: tl.constexpr, SPLIT_K: tl.constexpr, LINEAR: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, PRO16: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    PTX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     """One (k-block, c-block, tap, group, split) tile of ``dW[k, c, r, s] = Σ_m dy[m, k] ·
     relu(x[pix(m,r,s), c]·scale[c] + shift[c])`` over rows ``[split·CHUNK, (split+1)·CHUNK)``: stored in
@@ -344,8 +344,9 @@ def _wgrad_tile(
 
     Rows: with LINEAR (both tensors pixel-linear, H = STRIDE_H·P, W = STRIDE_W·Q) the pointers advance by
     a constant per row block and the padding test is two fixed-point range tests (``CQ``/``CPQ``, see
-    :func:`_frac_range`); otherwise (n, p, q) come from multiply-shift divisions (``Q_MUL``/``Q_SHR`` by
-    Q, ``PQ_MUL``/``PQ_SHR`` by P·Q). EVEN_M: every row block is full (no row mask without padding);
+    :func:`_frac_range`) making one predicate per row (:func:`_both_below`, in inline PTX with PTX);
+    otherwise (n, p, q) come from multiply-shift divisions (``Q_MUL``/``Q_SHR`` by Q, ``PQ_MUL``/``PQ_SHR``
+    by P·Q). EVEN_M: every row block is full (no row mask without padding);
     EVEN_K/EVEN_C: the channel blocks tile Kg/Cg exactly (no channel masks)."""
     KP: tl.constexpr = BLOCK_N if BLOCK_N < BLOCK_M else BLOCK_M
     NKP: tl.constexpr = BLOCK_M // KP
@@ -393,8 +394,8 @@ def _wgrad_tile(
             pb = tl.minimum(_cdiv_signed(H - dh, STRIDE_H), P)
             qa = tl.maximum(_cdiv_signed(-dw_, STRIDE_W), 0)
             qb = tl.minimum(_cdiv_signed(W - dw_, STRIDE_W), Q)
-            c_p, off_p, span_p, inv_p = _frac_range(CPQ.to(tl.uint32, bitcast=True), pa * Q, pb * Q, P * Q)
-            c_q, off_q, span_q, inv_q = _frac_range(cq, qa, qb, Q)
+            c_p, off_p, span_p = _frac_range(CPQ.to(tl.uint32, bitcast=True), pa * Q, pb * Q, P * Q)
+            c_q, off_q, span_q = _frac_range(cq, qa, qb, Q)
             lp = lu * c_p + off_p
             lq = lu * c_q + off_q
     else:
@@ -416,7 +417,7 @@ def _wgrad_tile(
             if LINEAR:
                 it = (m0 - start).to(tl.uint32, bitcast=True)
                 if PADDED:
-                    inside = (((lp + it * c_p) < span_p) != inv_p) & (((lq + it * c_q) < span_q) != inv_q)
+                    inside = _both_below(lp + it * c_p, span_p, lq + it * c_q, span_q, PTX)
                     valid = inside if EVEN_M else valid & inside
                 rel = m0 - start
                 if IDX64:
@@ -438,7 +439,7 @@ def _wgrad_tile(
                 ih = p * STRIDE_H + dh
                 iw = q * STRIDE_W + dw_
                 if PADDED:
-                    valid &= (ih.to(tl.uint32, bitcast=True) < H) & (iw.to(tl.uint32, bitcast=True) < W)
+                    valid &= _both_below(ih.to(tl.uint32, bitcast=True), H, iw.to(tl.uint32, bitcast=True), W, PTX)
                 xp = x_base + (nb * sxn + ih * sxh + iw * sxw)[None, :]
                 dy_rows = dy_ptr
                 dy_off = (nb * sdn + p * sdh + q * sdw)[:, None]
@@ -506,7 +507,7 @@ def _wgrad_kernel(
     EVEN_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
     SUM_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, PRO16: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    PTX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
     """Two roles in one launch (1-D grid), each needing only what the dgrad launch before it wrote.
@@ -524,7 +525,7 @@ def _wgrad_kernel(
         _wgrad_tile(dy_ptr, sdn, sdh, sdw, sdc, x_ptr, sxn, sxh, sxw, sxc, pack_ptr, dw_ptr, swk, swc, swr, sws,
                     pid, M, CHUNK, H, W, C, P, Q, K, Q_MUL, Q_SHR, PQ_MUL, PQ_SHR, CQ, CPQ, GROUPS, R, S,
                     STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SPLIT_K, LINEAR, EVEN_M, EVEN_K, EVEN_C,
-                    DOT_DTYPE, INPUT_PRECISION, IDX64, PRO16, BLOCK_M, BLOCK_N, BLOCK_R)
+                    DOT_DTYPE, INPUT_PRECISION, IDX64, PRO16, PTX, BLOCK_M, BLOCK_N, BLOCK_R)
     elif SUM_MODE != 0:
         cols = (pid - NUM_WGRAD) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C

@@ -31,18 +31,33 @@ def _frac_range(c, a, b, d):
     """Constants of a range test ``a <= r < b`` on ``r = n mod d`` by fixed-point fractions: with
     ``c = ceil(2**32 / d)`` (mod 2**32, so 0 for d = 1), ``L(n) = c·n mod 2**32`` lies in
     ``[c·r, c·r + c)`` while ``(n + d)·d < 2**32`` (Lemire, Kaser & Kurz, "Faster remainder by direct
-    computation", 2019). Returns ``(c_eff, off, span, inv)`` such that the test is
-    ``((c_eff·n + off) mod 2**32 < span) != inv`` (unsigned): a range reaching d is the complement of
-    ``[0, a)`` (a shifted window would wrap into it); a full or empty range gives ``c_eff = 0``.
-    L is linear in n, so stepping a row block is one add."""
+    computation", 2019). Returns ``(c_eff, off, span)`` such that the test is one unsigned compare,
+    ``(c_eff·n + off) mod 2**32 < span``: ``off = −c·a`` moves ``[c·a, c·b)`` to ``[0, c·(b − a))``, and a
+    range reaching d takes ``span = 2**32 − c·a`` (L never wraps past 2**32, so ``[c·a, 2**32)`` holds
+    exactly the r ≥ a); a full or empty range gives ``c_eff = 0``. L is linear in n, so stepping a row
+    block is one add."""
     full = (a <= 0) & (b >= d)
     empty = b <= a
     to_end = (b >= d) & (a > 0)
     c_eff = tl.where(full | empty, 0, c).to(tl.uint32)
     lo = tl.maximum(a, 0).to(tl.uint32)
-    span = tl.where(full, 1, tl.where(empty, 0, tl.where(to_end, c * lo, c * (b.to(tl.uint32) - lo))))
-    off = tl.where(to_end, 0, 0 - c_eff * lo)
-    return c_eff, off.to(tl.uint32), span.to(tl.uint32), to_end
+    span = tl.where(full, 1, tl.where(empty, 0, tl.where(to_end, 0 - c * lo, c * (b.to(tl.uint32) - lo))))
+    off = 0 - c_eff * lo
+    return c_eff, off.to(tl.uint32), span.to(tl.uint32)
+
+
+@triton.jit
+def _both_below(u, su, v, sv, PTX: tl.constexpr):
+    """``(u < su) & (v < sv)`` (unsigned), as one predicate. PTX: in inline PTX (``setp``, then
+    ``setp.and``), which LLVM cannot split into a chain of selects on the async copies' src-size
+    (the plain form costs 3 more instructions per row in wgrad's loop)."""
+    if PTX:
+        both = tl.inline_asm_elementwise(
+            "{ .reg .pred p, q; setp.lt.u32 p, $1, $2; setp.lt.u32.and q, $3, $4, p; selp.u32 $0, 1, 0, q; }",
+            "=r,r,r,r,r", [u, su, v, sv], dtype=tl.int32, is_pure=True, pack=1)
+        return both != 0
+    else:
+        return (u < su) & (v < sv)
 
 
 @triton.jit

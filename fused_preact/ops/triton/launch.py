@@ -258,8 +258,8 @@ def wgrad(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmConfig, s
               LINEAR=_linear(g, in_shape, out_shape, in_strides, dy_strides, M + cfg.BLOCK_K),
               EVEN_M=M % cfg.BLOCK_K == 0, EVEN_K=K // g.groups % cfg.BLOCK_M == 0,
               EVEN_C=C // g.groups % cfg.BLOCK_N == 0, SUM_MODE=sum_mode, HAS_GAMMA=dgamma is not None,
-              **_dot(cdtype, idx64), PRO16=_pro16(cdtype), BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-              BLOCK_R=cfg.BLOCK_K,
+              **_dot(cdtype, idx64), PRO16=_pro16(cdtype), PTX=not interpreting(), BLOCK_M=cfg.BLOCK_M,
+              BLOCK_N=cfg.BLOCK_N, BLOCK_R=cfg.BLOCK_K,
               BLOCK_C=block_c if fold else 16, BLOCK_P=_block_p(num_parts) if fold else 16,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if _recorder is not None:
