@@ -23,7 +23,8 @@ from fused_preact.ops.triton.launch import frac, magic
 _BLOCK = 1024
 
 
-@triton.jit
+# Ints stay runtime values on a GPU (Triton would make a 1 a constexpr), as in the wgrad kernel.
+@triton.jit(do_not_specialize=("n0", "step", "c_p", "a_p", "b_p", "d_p", "c_q", "a_q", "b_q", "d_q"))
 def _range_kernel(n0, step, c_p, a_p, b_p, d_p, c_q, a_q, b_q, d_q, out_ptr, PTX: tl.constexpr,
                   BLOCK: tl.constexpr):
     lanes = tl.arange(0, BLOCK)
@@ -35,7 +36,7 @@ def _range_kernel(n0, step, c_p, a_p, b_p, d_p, c_q, a_q, b_q, d_q, out_ptr, PTX
     tl.store(out_ptr + lanes, ok.to(tl.int8))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("mul", "shr"))
 def _udiv_kernel(n_ptr, mul, shr, out_ptr, BLOCK: tl.constexpr):
     lanes = tl.arange(0, BLOCK)
     n = tl.load(n_ptr + lanes)
