@@ -175,6 +175,21 @@ def _variant(rec) -> str:
     return " ".join(x for x in (geo, mode, *flags) if x)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """One recorded forward + backward of a chain: BN ``modes``, the output statistics epilogue,
+    per-kernel tile ``overrides`` (and the kernel they make candidates, ``tuned``), a wgrad ``split``
+    for ``archs`` only, and an input dtype other than the compute dtype (``x_dtype``: autocast)."""
+
+    modes: tuple
+    out_stats: bool
+    overrides: Optional[dict] = None
+    split: Optional[int] = None
+    archs: Optional[tuple[int, ...]] = None
+    tuned: Optional[str] = None
+    x_dtype: Optional[torch.dtype] = None
+
+
 def chain_jobs(units: Sequence[UnitShape], dtypes: Sequence[torch.dtype]) -> list[StaticJob]:
     """Every launch of the fused chains for the blocks that contain ``units`` (module docstring)."""
     from fused_preact.ops import BATCH, RUNNING, BNMode
@@ -190,33 +205,33 @@ def chain_jobs(units: Sequence[UnitShape], dtypes: Sequence[torch.dtype]) -> lis
             spec, x_shape = _chain(b)
             n = len(spec.convs)
             shape = f"{b.name} [{b.describe()}]"
-            runs = []
+            runs: list[_Run] = []
             for train in (True, False):
                 modes = tuple(BNMode(BATCH if train else RUNNING, True, train) for _ in range(n))
                 for out_stats in ((True, False) if train else (False,)):
-                    runs.append((modes, out_stats, None, None, None, None, None))
+                    runs.append(_Run(modes, out_stats))
             modes = tuple(BNMode(BATCH, True, True) for _ in range(n))
             if dtype != torch.float32:  # autocast: an fp32 input, 16-bit compute (default tiles)
-                runs.append((modes, True, None, None, None, None, torch.float32))
+                runs.append(_Run(modes, True, x_dtype=torch.float32))
             plan, _ = _record(spec, modes, x_shape, dtype, True)
             for kind in ("fprop", "dgrad", "wgrad"):
                 per_unit = [_unit_candidates(kind, u, dtype, candidates) for u in plan.units]
                 for j in range(max(len(c) for c in per_unit)):
-                    runs.append((modes, True, {kind: [c[min(j, len(c) - 1)] for c in per_unit]}, None, None, kind,
-                                 None))
+                    runs.append(_Run(modes, True, {kind: [c[min(j, len(c) - 1)] for c in per_unit]}, tuned=kind))
             for arch, sms in SM_COUNT.items():
                 split = _gpu_split(plan, sms)
                 if split > 1:
-                    runs.append((modes, True, None, split, (arch,), None, None))
-            for modes_r, out_stats, over, split, archs, tuned, x_dtype in runs:
-                _, launches = _record(spec, modes_r, x_shape, dtype, out_stats, over, split, x_dtype)
+                    runs.append(_Run(modes, True, split=split, archs=(arch,)))
+            for run in runs:
+                _, launches = _record(spec, run.modes, x_shape, dtype, run.out_stats, run.overrides, run.split,
+                                      run.x_dtype)
                 for rec in launches:
                     # A candidate run overrides one kernel's tiles; its other launches keep their defaults.
-                    role = "candidate" if rec.name == tuned else "default"
-                    x32 = "x32" if x_dtype is not None and _reads_fp32(rec) else ""
+                    role = "candidate" if rec.name == run.tuned else "default"
+                    x32 = "x32" if run.x_dtype is not None and _reads_fp32(rec) else ""
                     variant = " ".join(v for v in (_variant(rec), x32) if v)
                     jobs.append(StaticJob(rec.name, _label(rec), rec.fn, rec.args, rec.kwargs, rec.name in _CONV,
-                                          variant, _NAMES[dtype], shape, archs, role))
+                                          variant, _NAMES[dtype], shape, run.archs, role))
     return jobs
 
 
