@@ -13,6 +13,7 @@ from helpers import FUSED_BACKENDS, TOL, assert_close
 import fused_preact.ops.bn_relu_conv as op_mod
 import fused_preact.ops.triton.plan as triton_plans
 from fused_preact.ops import bn_relu_conv2d, bn_relu_conv2d_reference
+from fused_preact.ops.triton.configs import GemmConfig
 
 # (N, C, H, W, K, R, stride, padding, dilation, groups): odd channel counts, 1×1 images, all paddings;
 # the last two are strided with input sizes exactly twice the output's (the wgrad kernel's pixel-linear
@@ -176,6 +177,20 @@ def test_wgrad_split_k(monkeypatch, split):
     monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())  # plans are cached: start from none
     _run(SHAPES[0], True, True, torch.float32)
     _run(SHAPES[7], True, False, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", [SHAPES[2], SHAPES[7], SHAPES[10]], ids=_ids)
+def test_small_tiles(monkeypatch, shape, dtype):
+    """Tiles far smaller than the problem in every kernel: reductions over several channel chunks with
+    a partial last one (fprop over taps × chunks, dgrad over taps × output-channel chunks), several
+    row and channel tiles, wgrad over several row blocks. The interpreter's default tiles cover a whole
+    problem, so this is the only CPU run of the kernels' chunk loops."""
+    small = GemmConfig(16, 16, 16) if DEVICE == "cpu" else GemmConfig(64, 64, 32)
+    for name in ("fprop_config", "dgrad_config", "wgrad_config"):
+        monkeypatch.setattr(triton_plans, name, lambda *args, **kwargs: small)
+    monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())  # plans are cached: start from none
+    _run(shape, True, True, dtype)
 
 
 def test_wrong_results_are_caught():

@@ -14,9 +14,11 @@ call's channels. The vectors are derived once per program from the fp32 pack int
 rows (identical values from every program). fp32 inputs keep the fp32 transform
 (``kernels_conv._preact``).
 
-Padding: a padded tap reads a clamped in-bounds pixel and the transform zeroes it (a padded ``a`` is
-0, not ``relu(shift)``); the row mask reaches the transform as loaded data (a −1 word loaded with the
-padding as its mask), which is what lets Triton keep the transform in the operand layout.
+Padding: a padded tap reads a clamped in-bounds element (one unsigned min per row with 32-bit
+offsets) and the transform zeroes it (a padded ``a`` is 0, not ``relu(shift)``); the row mask reaches
+the transform as loaded data (a −1 word loaded with the padding as its mask, kept as a 32-bit word),
+which is what lets Triton keep the transform in the operand layout: a mask computed in registers
+takes a layout conversion through shared memory every iteration.
 
 Semantics: ``F.batch_norm`` → ``F.relu`` (``relu(NaN) = NaN``, ``relu(−inf) = 0``) → ``F.conv2d``.
 """
@@ -102,7 +104,7 @@ def _fprop_kernel(
     H2, W2, C2, STRIDE2: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_RES: tl.constexpr, STATS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
-    PRO16: tl.constexpr, EVEN_C: tl.constexpr, EVEN_N: tl.constexpr,
+    PRO16: tl.constexpr, EVEN_C: tl.constexpr, EVEN_N: tl.constexpr, ONE_CK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
 ):
     """``y[m, k] = Σ_{r,s,c} relu(x[pix(m,r,s), c]·scale[c] + shift[c]) · w[k, c, r, s]`` (+ bias[k]).
@@ -118,7 +120,9 @@ def _fprop_kernel(
     :func:`_preact16` in its interpreter form; 2 — the same in packed PTX (GPU); fp32 tiles (an fp32
     input under autocast) keep the fp32 transform. EVEN_C: the channels per group (and C2) are
     multiples of BLOCK_K (BLOCK_K2), so channel chunks need no mask; EVEN_N: K/GROUPS is a multiple of
-    BLOCK_N. Rows past M compute row M−1 (never stored).
+    BLOCK_N; ONE_CK: the channels per group fit one chunk (≤ BLOCK_K), so the 16-bit transform's
+    vectors are loaded once, before the loop, and the loop runs over the taps alone. Rows past M
+    compute row M−1 (never stored).
     Grid: (cdiv(M, BLOCK_M), cdiv(K/GROUPS, BLOCK_N), GROUPS).
     """
     Cg = C // GROUPS
@@ -167,6 +171,7 @@ def _fprop_kernel(
     kk = tl.arange(0, BLOCK_K)
     col_x = (g * Cg + kk) * sxc
     x_tile = x_ptr + row_x[:, None] + col_x[None, :]
+    x_col = x_ptr + col_x
     n_last = M // (P * Q) - 1
     if IDX64:
         n_last = n_last.to(tl.int64)
@@ -185,7 +190,14 @@ def _fprop_kernel(
         v16, ones = _pack16_ptrs(pack_ptr, C, x_ptr.dtype.element_ty)
         v_row = v16 + g * Cg + kk
         ones_r = ones + tl.zeros([BLOCK_M], dtype=tl.int32)
+        if ONE_CK:  # one channel chunk: the vectors are loop-invariant
+            c_mask0 = None if EVEN_C else kk < Cg
+            nm = _load_row(v_row, c_mask0)
+            s16 = _load_row(v_row + C, c_mask0)
+            b16 = _load_row(v_row + 2 * C, c_mask0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # One channel chunk with several taps: the chunk offset stays 0 and the taps never wrap.
+    TAPS_ONLY: tl.constexpr = ONE_CK and RS > 1
     n_iter = RS * NUM_CK
     tl.assume(n_iter > 0)
     c_off = 0
@@ -196,9 +208,15 @@ def _fprop_kernel(
         c_mask = None if EVEN_C else c_off + kk < Cg
         tap_off = (r * DIL_H) * sxh + (s * DIL_W) * sxw
         if PADDED and X16:
-            # A padded tap reads a clamped in-bounds pixel (no load mask); the transform zeroes it.
-            x_at = (x_ptr + (col_x + c_off * sxc))[None, :] \
-                + tl.minimum(tl.maximum(row_x + tap_off, 0), row_max)[:, None]
+            # A padded tap reads a clamped in-bounds element (no load mask); the transform zeroes it.
+            cs = c_off * sxc
+            if IDX64:
+                x_at = (x_ptr + (col_x + cs))[None, :] + tl.minimum(tl.maximum(row_x + tap_off, 0), row_max)[:, None]
+            else:
+                # One unsigned min per row: a negative offset wraps above the bound. Every offset in
+                # [0, row_max + cs] + col_x lies inside the tensor's span, and all of them are < 2**31.
+                off = tl.minimum((row_x + (tap_off + cs)).to(tl.uint32), (row_max + cs).to(tl.uint32))
+                x_at = x_col[None, :] + off[:, None]
             xt = _load_tile(x_at, None, None if EVEN_C else c_mask[None, :])
         elif PADDED:
             keep = ((vbits >> tap) & 1) != 0
@@ -208,9 +226,10 @@ def _fprop_kernel(
         wt = _load_tile(w_tile + (c_off * swc + r * swr + s * sws), None if EVEN_C else c_mask[:, None],
                         None if EVEN_N else wn_mask)
         if X16:
-            nm = _load_row(v_row + c_off, c_mask)
-            s16 = _load_row(v_row + (C + c_off), c_mask)
-            b16 = _load_row(v_row + (2 * C + c_off), c_mask)
+            if not ONE_CK:
+                nm = _load_row(v_row + c_off, c_mask)
+                s16 = _load_row(v_row + (C + c_off), c_mask)
+                b16 = _load_row(v_row + (2 * C + c_off), c_mask)
             if PADDED:
                 # the −1 word where the tap is inside the image, 0 (masked off) where padded
                 k32 = tl.load(ones_r, mask=(vbits2 & (1 << tap)) != 0, other=0)
@@ -236,9 +255,10 @@ def _fprop_kernel(
             else:
                 r += s
                 s = 0
-            wrap_r = r == R
-            r = tl.where(wrap_r, 0, r)
-            c_off += tl.where(wrap_r, BLOCK_K, 0)
+            if not TAPS_ONLY:
+                wrap_r = r == R
+                r = tl.where(wrap_r, 0, r)
+                c_off += tl.where(wrap_r, BLOCK_K, 0)
     if HAS_PROJ:
         # Projection shortcut: 1×1, stride STRIDE2, no padding, on the chain input (groups == 1).
         row2 = nb * sin_n + (p * STRIDE2) * sin_h + (q * STRIDE2) * sin_w

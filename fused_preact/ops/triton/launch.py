@@ -183,6 +183,7 @@ def fprop(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Tensor, 
     kw = dict(**_geo(g, u.in_shape, u.out_shape), H2=x0_shape[2], W2=x0_shape[3], C2=C2, STRIDE2=proj_stride,
               HAS_BIAS=bias is not None, HAS_PROJ=proj_w is not None, HAS_RES=residual, STATS=part is not None,
               **_dot(cdtype, idx64), PRO16=pro16, EVEN_C=even_c, EVEN_N=Kg % cfg.BLOCK_N == 0,
+              ONE_CK=Cg <= cfg.BLOCK_K,
               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, BLOCK_K2=block_k2,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if _recorder is not None:

@@ -100,10 +100,12 @@ def _vectors16_of(mean, scale, shift, DT: tl.constexpr):
 @triton.jit
 def _preact16_2d(xt, nm2, s2, b2, keep2, HAS_KEEP: tl.constexpr, PTX: tl.constexpr):
     """``relu((x + nm)·s + b)`` of a 16-bit tile in its dtype, with the vectors already broadcast to the
-    tile's shape; 0 where the int16 ``keep2`` is 0 (−1: kept; HAS_KEEP).
+    tile's shape; 0 where the int32 ``keep2`` is 0 (−1: kept; HAS_KEEP).
 
-    PTX: packed instructions, two elements each (the mask an AND with ``keep2``, so each element of a
-    pair carries its own mask whatever elements the register layout pairs). Otherwise the same
+    PTX: packed instructions, two elements each; the mask is an AND with the low half of the first
+    element's keep word and the high half of the second's (one ``prmt``), so each element of a pair
+    carries its own mask whatever elements the register layout pairs (in the MMA operand layout both
+    are of one row, and the ``prmt`` of a row's word is computed once per row). Otherwise the same
     roundings from exact float64 sums and products; bf16 goes through float32 there (the
     interpreter's float64→bf16 conversion is wrong, its float32→bf16 one truncates, so bf16 results
     differ from the GPU's in the last bit; fp16 ones do not)."""
@@ -111,11 +113,11 @@ def _preact16_2d(xt, nm2, s2, b2, keep2, HAS_KEEP: tl.constexpr, PTX: tl.constex
     if PTX:
         ONE: tl.constexpr = "0x3F803F80" if DT == tl.bfloat16 else "0x3C003C00"
         SFX: tl.constexpr = "bf16x2" if DT == tl.bfloat16 else "f16x2"
-        if HAS_KEEP:
+        if HAS_KEEP:  # keep2 int32: one register per element, $5 and $6
             a = tl.inline_asm_elementwise(
-                "{ .reg .b32 t, one; mov.b32 one, " + ONE + "; fma.rn." + SFX + " t, $1, one, $2; fma.rn.relu."
-                + SFX + " t, t, $3, $4; and.b32 $0, t, $5; }",
-                "=r,r,r,r,r,r", [xt, nm2, s2, b2, keep2], dtype=xt.dtype, is_pure=True, pack=2)
+                "{ .reg .b32 t, one, k; mov.b32 one, " + ONE + "; fma.rn." + SFX + " t, $1, one, $2; fma.rn.relu."
+                + SFX + " t, t, $3, $4; prmt.b32 k, $5, $6, 0x7610; and.b32 $0, t, k; }",
+                "=r,r,r,r,r,r,r", [xt, nm2, s2, b2, keep2], dtype=xt.dtype, is_pure=True, pack=2)
         else:
             a = tl.inline_asm_elementwise(
                 "{ .reg .b32 t, one; mov.b32 one, " + ONE + "; fma.rn." + SFX + " t, $1, one, $2; fma.rn.relu."
@@ -142,7 +144,7 @@ def _preact16(xt, nm, s, b, keep, HAS_KEEP: tl.constexpr, PTX: tl.constexpr):
     b2 = tl.broadcast_to(b[None, :], [BM, BK])
     keep2 = None
     if HAS_KEEP:
-        keep2 = tl.broadcast_to(keep.to(tl.int16)[:, None], [BM, BK])
+        keep2 = tl.broadcast_to(keep[:, None], [BM, BK])
     return _preact16_2d(xt, nm2, s2, b2, keep2, HAS_KEEP, PTX)
 
 
