@@ -16,6 +16,7 @@ from helpers import FUSED_BACKENDS
 
 from fused_preact import FusedBNReLUConv2d, FusedPreActBlock
 from fused_preact.models import PreActBlock
+from fused_preact.ops import bn_relu_conv2d
 
 
 def _pattern(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,8 +82,6 @@ def test_nan_output_gradient_at_padded_taps(request, backend):
     finite there. A known difference (strict xfail: a fix makes this test fail until the mark goes)."""
     if backend == "triton":
         request.applymarker(pytest.mark.xfail(strict=True, reason="Triton wgrad skips padded rows of dy"))
-    from fused_preact.ops import bn_relu_conv2d
-
     torch.manual_seed(0)
     x = torch.randn(1, 2, 4, 4, device=DEVICE).contiguous(memory_format=torch.channels_last)
     w = torch.randn(3, 2, 3, 3, device=DEVICE)
