@@ -17,7 +17,7 @@ from fused_preact.models import PreActBlock, PreActBottleneck, preact_resnext50_
 from fused_preact.modules import bottleneck_width
 from fused_preact.ops._common import input_precision
 
-AUTOCAST_DTYPES = [torch.float16, torch.bfloat16] if HAS_CUDA else [torch.bfloat16]
+AUTOCAST_DTYPES = [torch.float16, torch.bfloat16]
 
 
 def _twins(kind: str, backend: str = "triton"):
@@ -66,6 +66,36 @@ def test_autocast_runs_conv_in_autocast_dtype_and_stats_in_fp32(kind, dtype, bac
         if b.is_floating_point():  # the first BN reads the fp32 input: its statistics are fp32-accurate
             first = name.split(".")[0] in ("0", "bn1")
             assert_close(b, b64, torch.float32 if first else dtype, name)
+
+
+@pytest.mark.parametrize("kind", ["unit", "block"])
+def test_fp16_autocast_scales_an_fp32_input_beyond_fp16_range(kind):
+    """fp16 autocast with an fp32 input whose first BatchNorm has scale γ/σ ≈ 2e5, beyond fp16's range
+    (its activations are not): the fused kernels scale the fp32 transform's vectors by 2^−e into the fp16
+    operands' range and the accumulator back by 2^e (e > 0 here; the vectors scaled once per program),
+    so the output and every gradient stay within fp16's tolerance of float64. The block adds the
+    projection shortcut, whose fp32 input takes the same scaled vectors."""
+    fused, eager = _twins(kind, "triton")
+    eager64 = eager.double()
+    first = [next(m for m in net.modules() if isinstance(m, nn.BatchNorm2d)) for net in (fused, eager64)]
+    with torch.no_grad():
+        for bn in first:
+            bn.weight.mul_(300.0)
+    x = torch.randn(3, 6, 9, 7) * 1e-3 + 0.5
+    xf = x.to(DEVICE, copy=True).requires_grad_()
+    x64 = x.double().requires_grad_()
+    with torch.autocast(DEVICE, dtype=torch.float16):
+        y = fused(xf)
+    y64 = eager64(x64)
+    scale = (first[1].weight / x64.detach().var((0, 2, 3), unbiased=False).add(first[1].eps).sqrt()).abs()
+    assert scale.max() > torch.finfo(torch.float16).max  # the regime: e > 0
+    dy = torch.randn(y64.shape, dtype=torch.float64)
+    y.backward(dy.to(DEVICE, torch.float16))
+    y64.backward(dy)
+    assert_close(y, y64, torch.float16, "forward")
+    assert_close(xf.grad, x64.grad, torch.float16, "grad x")
+    for (name, p), (_, p64) in zip(fused.named_parameters(), eager64.named_parameters()):
+        assert_close(p.grad, p64.grad, torch.float16, f"grad {name}")
 
 
 def test_autocast_leaves_float64_alone():

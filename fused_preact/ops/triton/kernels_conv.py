@@ -31,12 +31,13 @@ from __future__ import annotations
 
 from fused_preact.ops._common import tl, triton
 from fused_preact.ops.triton.kernels_grad import _both_below, _cdiv_signed, _dw_piece, _dy_piece, _frac_range, _round_to, _udiv
-from fused_preact.ops.triton.prologue16 import _channel_exponent, _pow2, _preact16_t, _vectors16_of
+from fused_preact.ops.triton.prologue16 import _channel_exponent, _pow2, _preact16_t, _relu_round, _vectors16_of
 
 # Rows of a pack: per-channel fp32 vectors of one BatchNorm, written by the finalize kernel.
 PACK_MEAN, PACK_VAR, PACK_INVSTD, PACK_SCALE, PACK_SHIFT = 0, 1, 2, 3, 4
 #: Rows PACK_ROWS16.. (three rows of C fp32 words) are the fprop kernel's scratch: the 16-bit prologue
-#: vectors it derives from rows 0-4 (``kernels_fprop._write_pack16``).
+#: vectors it derives from rows 0-4 (``kernels_fprop._write_pack16``), or for an fp32 input under fp16
+#: operands the scaled fp32 scale and shift (``kernels_fprop._write_scaled32``).
 PACK_ROWS16 = tl.constexpr(5)
 PACK_ROWS = 8
 
@@ -306,12 +307,12 @@ def _dgrad_kernel(
 
 
 @triton.jit
-def _preact_t(xt, sc, sh, DOT_DTYPE: tl.constexpr):
+def _preact_t(xt, sc, sh, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr):
     """``relu(x·scale + shift)`` of a transposed x tile (channels × rows; ``sc``/``sh`` per row) in
-    DOT_DTYPE: one fp32 fma (a single rounding), then the rounding to DOT_DTYPE. wgrad's fp32 x (an
-    fp32 compute dtype, or an fp32 chain input under autocast); 16-bit x take :mod:`.prologue16`."""
-    z = tl.fma(xt.to(tl.float32), sc[:, None], sh[:, None])
-    return _relu_nan(z).to(DOT_DTYPE)
+    DOT_DTYPE: one fp32 fma (a single rounding), then the ReLU and the rounding to DOT_DTYPE
+    (:func:`.prologue16._relu_round`; PTX: packed). wgrad's fp32 x (an fp32 compute dtype, or an fp32
+    chain input under autocast); 16-bit x take :mod:`.prologue16`'s packed transform."""
+    return _relu_round(tl.fma(xt.to(tl.float32), sc[:, None], sh[:, None]), DOT_DTYPE, PTX)
 
 
 @triton.jit
@@ -456,7 +457,7 @@ def _wgrad_tile(
             if X16:
                 at = _preact16_t(xt, nm16, s16, b16, PRO16 == 2).to(DOT_DTYPE)
             else:
-                at = _preact_t(xt, sc, sh, DOT_DTYPE)
+                at = _preact_t(xt, sc, sh, DOT_DTYPE, PRO16 == 2)
             dyt = _dy_piece(dy_rows, dy_off, kb, 0, Kg, g, sdc, valid, USE_ROWS, EVEN_K, KP, BLOCK_M)
             acc0 = tl.dot(at, dyt.to(DOT_DTYPE), acc0, input_precision=INPUT_PRECISION)
             if NKP > 1:

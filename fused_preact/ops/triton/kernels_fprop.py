@@ -11,8 +11,9 @@ there) runs in packed 16-bit arithmetic, two elements per instruction, on the ti
 layout (Triton reads the tile from shared memory straight into the wgmma/mma registers; no layout
 round trip). The exponent e of fp16's scaling is one per call, from the largest |s|, |b| of the
 call's channels. The vectors are derived once per program from the fp32 pack into the pack's scratch
-rows (identical values from every program). fp32 inputs keep the fp32 transform
-(``kernels_conv._preact``).
+rows (identical values from every program). fp32 inputs keep the fp32 transform: one fp32 fma per
+element, then the ReLU and the rounding to the operand dtype (:func:`.prologue16._relu_round`, one
+packed conversion per pair of elements when the operands are 16-bit).
 
 Padding: a padded tap reads a clamped in-bounds element (one unsigned min per row with 32-bit
 offsets) and the transform zeroes it (a padded ``a`` is 0, not ``relu(shift)``); the row mask reaches
@@ -27,8 +28,8 @@ from __future__ import annotations
 
 from fused_preact.ops._common import tl, triton
 from fused_preact.ops.triton.kernels_bn import tile_mean_m2
-from fused_preact.ops.triton.kernels_conv import PACK_ROWS16, _load_row, _preact, _relu_nan, _scale_shift
-from fused_preact.ops.triton.prologue16 import _pack16_absmax, _pow2, _pow2_exponent, _preact16
+from fused_preact.ops.triton.kernels_conv import PACK_ROWS16, _load_row, _scale_shift
+from fused_preact.ops.triton.prologue16 import _pack16_absmax, _pow2, _pow2_exponent, _preact16, _relu_round
 
 
 @triton.jit
@@ -87,6 +88,33 @@ def _write_pack16(pack_ptr, c_lo, n_ch, C, down, DT: tl.constexpr, BLOCK: tl.con
     tl.store(ones, -1)
 
 
+@triton.jit
+def _write_scaled32(pack_ptr, c_lo, n_ch, C, down, BLOCK: tl.constexpr):
+    """Write scale·2^−e and shift·2^−e (fp32, exact) of channels ``[c_lo, c_lo + n_ch)`` into the pack's
+    scratch rows 5 and 6: the fp32 transform's vectors when the operands are fp16 (an fp32 input under
+    autocast), scaled once per program instead of once per loop iteration (which also took the registers
+    of 128×64 tiles past the limit). Every program writes the same values; a CTA barrier follows."""
+    for c0 in range(c_lo, c_lo + n_ch, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        cm = cols < c_lo + n_ch
+        tl.store(pack_ptr + PACK_ROWS16 * C + cols, tl.load(pack_ptr + 3 * C + cols, mask=cm, other=0.0) * down,
+                 mask=cm)
+        tl.store(pack_ptr + (PACK_ROWS16 + 1) * C + cols,
+                 tl.load(pack_ptr + 4 * C + cols, mask=cm, other=0.0) * down, mask=cm)
+
+
+@triton.jit
+def _vectors32(pack_ptr, chans, cmask, C, SCRATCH: tl.constexpr):
+    """The fp32 transform's scale and shift at ``chans``: the pack's rows 3 and 4, or with SCRATCH the
+    scaled copies :func:`_write_scaled32` put in rows 5 and 6."""
+    if SCRATCH:
+        sc = _load_row(pack_ptr + PACK_ROWS16 * C + chans, cmask)
+        sh = _load_row(pack_ptr + (PACK_ROWS16 + 1) * C + chans, cmask)
+    else:
+        sc, sh = _scale_shift(pack_ptr, chans, cmask, C)
+    return sc, sh
+
+
 @triton.jit(do_not_specialize=("M", "H", "W", "P", "Q", "H2", "W2"))
 def _fprop_kernel(
     x_ptr, sxn, sxh, sxw, sxc,
@@ -136,6 +164,9 @@ def _fprop_kernel(
                                                         or xin_ptr.dtype.element_ty == tl.bfloat16)
     # fp16 operands: the transform vectors scaled into fp16's range, the accumulator back (exact).
     SCALED: tl.constexpr = PRO16 != 0 and DOT_DTYPE == tl.float16
+    # fp32 tiles under fp16 operands: their scaled fp32 vectors in the pack's scratch rows
+    X32S: tl.constexpr = SCALED and not X16
+    XIN32S: tl.constexpr = SCALED and HAS_PROJ and not XIN16
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.program_id(2)
@@ -184,7 +215,11 @@ def _fprop_kernel(
         _write_pack16(pack_ptr, g * Cg, Cg, C, down, x_ptr.dtype.element_ty, 256)
     if XIN16:
         _write_pack16(pack2_ptr, 0, C2, C2, down, xin_ptr.dtype.element_ty, 256)
-    if X16 or XIN16:
+    if X32S:
+        _write_scaled32(pack_ptr, g * Cg, Cg, C, down, 256)
+    if XIN32S:
+        _write_scaled32(pack2_ptr, 0, C2, C2, down, 256)
+    if X16 or XIN16 or X32S or XIN32S:
         tl.debug_barrier()
     if X16:
         v16, ones = _pack16_ptrs(pack_ptr, C, x_ptr.dtype.element_ty)
@@ -237,11 +272,11 @@ def _fprop_kernel(
             else:
                 a = _preact16(xt, nm, s16, b16, None, False, PRO16 == 2)
         else:
-            sc, sh = _scale_shift(pack_ptr, g * Cg + c_off + kk, c_mask, C)
+            sc, sh = _vectors32(pack_ptr, g * Cg + c_off + kk, c_mask, C, X32S)
+            z = tl.fma(xt.to(tl.float32), sc[None, :], sh[None, :])
             if PADDED:
-                a = _preact(xt, sc * down, sh * down, keep[:, None])
-            else:
-                a = _relu_nan(tl.fma(xt.to(tl.float32), (sc * down)[None, :], (sh * down)[None, :]))
+                z = tl.where(keep[:, None], z, 0.0)  # a padded tap: 0 (not relu(shift))
+            a = _relu_round(z, DOT_DTYPE, PRO16 == 2)
         acc = tl.dot(a.to(DOT_DTYPE), wt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
         # next tap, then next channel chunk
         if RS == 1:
@@ -279,8 +314,8 @@ def _fprop_kernel(
                 b16 = _load_row(v16b + 2 * C2 + offs_c, c_mask)
                 a2 = _preact16(xt2, nm, s16, b16, None, False, PRO16 == 2)
             else:
-                sc, sh = _scale_shift(pack2_ptr, offs_c, c_mask, C2)
-                a2 = _relu_nan(tl.fma(xt2.to(tl.float32), (sc * down)[None, :], (sh * down)[None, :]))
+                sc, sh = _vectors32(pack2_ptr, offs_c, c_mask, C2, XIN32S)
+                a2 = _relu_round(tl.fma(xt2.to(tl.float32), sc[None, :], sh[None, :]), DOT_DTYPE, PRO16 == 2)
             acc = tl.dot(a2.to(DOT_DTYPE), wt2.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
     if SCALED:  # e again (not held through the loop: registers)
         acc = acc * _pow2(_scale_exponent(pack_ptr, C, pack2_ptr, C2, HAS_PROJ, DOT_DTYPE))

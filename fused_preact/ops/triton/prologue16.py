@@ -98,6 +98,27 @@ def _vectors16_of(mean, scale, shift, DT: tl.constexpr):
 
 
 @triton.jit
+def _relu_round(z, DT: tl.constexpr, PTX: tl.constexpr):
+    """``relu(z)`` of an fp32 tile rounded to ``DT`` (round to nearest even), keeping NaN and mapping
+    −inf to 0: the fp32 transform's last step (an fp32 input under autocast, whose BatchNorm eager
+    PyTorch computes in fp32 before the conv rounds its input). PTX with a 16-bit ``DT``: one
+    ``cvt.rn.relu.{bf16x2,f16x2}.f32`` per pair of elements (PTX ISA 7.0, sm_80+; ``.relu`` clamps a
+    negative result to 0 and keeps NaN, as canonical NaN), where the ReLU would otherwise take a compare
+    and a select per element; else a ``where`` (``kernels_conv._relu_nan``) and Triton's conversion."""
+    if PTX and (DT == tl.bfloat16 or DT == tl.float16):
+        # pack=2: $1, $2 are elements 0 and 1; cvt puts its first source in the upper half.
+        if DT == tl.bfloat16:
+            a = tl.inline_asm_elementwise("cvt.rn.relu.bf16x2.f32 $0, $2, $1;", "=r,f,f", [z], dtype=tl.bfloat16,
+                                          is_pure=True, pack=2)
+        else:
+            a = tl.inline_asm_elementwise("cvt.rn.relu.f16x2.f32 $0, $2, $1;", "=r,f,f", [z], dtype=tl.float16,
+                                          is_pure=True, pack=2)
+    else:
+        a = tl.where(z < 0.0, 0.0, z).to(DT)
+    return a
+
+
+@triton.jit
 def _preact16_2d(xt, nm2, s2, b2, keep2, HAS_KEEP: tl.constexpr, PTX: tl.constexpr):
     """``relu((x + nm)·s + b)`` of a 16-bit tile in its dtype, with the vectors already broadcast to the
     tile's shape; 0 where the int32 ``keep2`` is 0 (−1: kept; HAS_KEEP).
