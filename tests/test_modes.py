@@ -34,6 +34,18 @@ def _twins(kind: str, backend: str = "triton"):
     return fused.to(DEVICE), eager
 
 
+def _check_backward(y, y64, xf, x64, fused, eager64, dtype):
+    """Backpropagate one float64 output gradient through the fused and the float64 build; the output,
+    the input gradient and every parameter gradient within ``dtype``'s tolerance of float64."""
+    dy = torch.randn(y64.shape, dtype=torch.float64)
+    y.backward(dy.to(DEVICE, dtype))
+    y64.backward(dy)
+    assert_close(y, y64, dtype, "forward")
+    assert_close(xf.grad, x64.grad, dtype, "grad x")
+    for (name, p), (_, p64) in zip(fused.named_parameters(), eager64.named_parameters()):
+        assert_close(p.grad, p64.grad, dtype, f"grad {name}")
+
+
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
 @pytest.mark.parametrize("dtype", AUTOCAST_DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["unit", "block"])
@@ -53,15 +65,10 @@ def test_autocast_runs_conv_in_autocast_dtype_and_stats_in_fp32(kind, dtype, bac
     y64 = eager64(x64)
     assert y.dtype == y_eager.dtype == dtype
     assert fused.last_backend == backend
-    dy = torch.randn(y64.shape, dtype=torch.float64)
-    y.backward(dy.to(DEVICE, dtype))
-    y64.backward(dy)
+    _check_backward(y, y64, xf, x64, fused, eager64, dtype)
     assert xf.grad.dtype == torch.float32
-    assert_close(y, y64, dtype, "forward")
-    assert_close(xf.grad, x64.grad, dtype, "grad x")
-    for (name, p), (_, p64) in zip(fused.named_parameters(), eager64.named_parameters()):
+    for name, p in fused.named_parameters():
         assert p.grad.dtype == torch.float32, name
-        assert_close(p.grad, p64.grad, dtype, f"grad {name}")
     for (name, b), (_, b64) in zip(fused.named_buffers(), eager64.named_buffers()):
         if b.is_floating_point():  # the first BN reads the fp32 input: its statistics are fp32-accurate
             first = name.split(".")[0] in ("0", "bn1")
@@ -89,13 +96,7 @@ def test_fp16_autocast_scales_an_fp32_input_beyond_fp16_range(kind):
     y64 = eager64(x64)
     scale = (first[1].weight / x64.detach().var((0, 2, 3), unbiased=False).add(first[1].eps).sqrt()).abs()
     assert scale.max() > torch.finfo(torch.float16).max  # the regime: e > 0
-    dy = torch.randn(y64.shape, dtype=torch.float64)
-    y.backward(dy.to(DEVICE, torch.float16))
-    y64.backward(dy)
-    assert_close(y, y64, torch.float16, "forward")
-    assert_close(xf.grad, x64.grad, torch.float16, "grad x")
-    for (name, p), (_, p64) in zip(fused.named_parameters(), eager64.named_parameters()):
-        assert_close(p.grad, p64.grad, torch.float16, f"grad {name}")
+    _check_backward(y, y64, xf, x64, fused, eager64, torch.float16)
 
 
 def test_autocast_leaves_float64_alone():
