@@ -34,10 +34,11 @@ def _twins(kind: str, backend: str = "triton"):
     return fused.to(DEVICE), eager
 
 
-def _check_backward(y, y64, xf, x64, fused, eager64, dtype):
-    """Backpropagate one float64 output gradient through the fused and the float64 build; the output,
-    the input gradient and every parameter gradient within ``dtype``'s tolerance of float64."""
-    dy = torch.randn(y64.shape, dtype=torch.float64)
+def _check_backward(y, y64, xf, x64, fused, eager64, dtype, dy_scale: float = 1.0):
+    """Backpropagate one float64 output gradient (standard normal times ``dy_scale``) through the fused
+    and the float64 build; the output, the input gradient and every parameter gradient within
+    ``dtype``'s tolerance of float64."""
+    dy = torch.randn(y64.shape, dtype=torch.float64) * dy_scale
     y.backward(dy.to(DEVICE, dtype))
     y64.backward(dy)
     assert_close(y, y64, dtype, "forward")
@@ -75,28 +76,42 @@ def test_autocast_runs_conv_in_autocast_dtype_and_stats_in_fp32(kind, dtype, bac
             assert_close(b, b64, torch.float32 if first else dtype, name)
 
 
-@pytest.mark.parametrize("kind", ["unit", "block"])
-def test_fp16_autocast_scales_an_fp32_input_beyond_fp16_range(kind):
-    """fp16 autocast with an fp32 input whose first BatchNorm has scale γ/σ ≈ 2e5, beyond fp16's range
-    (its activations are not): the fused kernels scale the fp32 transform's vectors by 2^−e into the fp16
-    operands' range and the accumulator back by 2^e (e > 0 here; the vectors scaled once per program),
-    so the output and every gradient stay within fp16's tolerance of float64. The block adds the
-    projection shortcut, whose fp32 input takes the same scaled vectors."""
+@pytest.mark.parametrize("kind, beyond", [("unit", "first"), ("block", "first"), ("block", "last")])
+def test_fp16_autocast_scales_an_fp32_input_beyond_fp16_range(kind, beyond):
+    """fp16 autocast with an fp32 input and a BatchNorm whose scale γ/σ exceeds fp16's range (≈ 2e5; its
+    activations do not): the fused kernels scale the transforms' vectors by 2^−e into the fp16 operands'
+    range and the accumulator back by 2^e (e > 0 here; the fp32 input's vectors scaled once per
+    program into the pack's scratch rows), so the output and every gradient stay within fp16's
+    tolerance of float64. ``first``: the fp32 input's own BatchNorm (the first unit; in the block also
+    the projection shortcut). ``last``: the block's second BatchNorm (a small conv1 output, σ ≈ 1e-4),
+    so only the last unit's launch, which also runs the projection over the fp32 input, has e > 0: its
+    scaled copy of the first BatchNorm's vectors is its own, not the first unit's (e = 0)."""
     fused, eager = _twins(kind, "triton")
     eager64 = eager.double()
-    first = [next(m for m in net.modules() if isinstance(m, nn.BatchNorm2d)) for net in (fused, eager64)]
+    bns = [[m for m in net.modules() if isinstance(m, nn.BatchNorm2d)] for net in (fused, eager64)]
+    big = 0 if beyond == "first" else 1
     with torch.no_grad():
-        for bn in first:
-            bn.weight.mul_(300.0)
-    x = torch.randn(3, 6, 9, 7) * 1e-3 + 0.5
+        for net_bns in bns:
+            net_bns[big].weight.mul_(300.0)
+        if beyond == "last":
+            for net in (fused, eager64):
+                net.conv1.weight.mul_(1e-4)
+    seen = []
+    hook = bns[1][big].register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach()))
+    x = torch.randn(3, 6, 9, 7) * (1e-3 if beyond == "first" else 1.0) + 0.5
     xf = x.to(DEVICE, copy=True).requires_grad_()
     x64 = x.double().requires_grad_()
     with torch.autocast(DEVICE, dtype=torch.float16):
         y = fused(xf)
     y64 = eager64(x64)
-    scale = (first[1].weight / x64.detach().var((0, 2, 3), unbiased=False).add(first[1].eps).sqrt()).abs()
+    hook.remove()
+    bn64 = bns[1][big]
+    scale = (bn64.weight / seen[0].var((0, 2, 3), unbiased=False).add(bn64.eps).sqrt()).abs()
     assert scale.max() > torch.finfo(torch.float16).max  # the regime: e > 0
-    _check_backward(y, y64, xf, x64, fused, eager64, torch.float16)
+    if beyond == "last":  # and e = 0 in the first unit's launch
+        s0 = (bns[1][0].weight / x64.detach().var((0, 2, 3), unbiased=False).add(bns[1][0].eps).sqrt()).abs()
+        assert s0.max() < 2**10
+    _check_backward(y, y64, xf, x64, fused, eager64, torch.float16, 1.0 if beyond == "first" else 1e-3)
 
 
 def test_autocast_leaves_float64_alone():

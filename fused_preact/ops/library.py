@@ -93,7 +93,7 @@ def _chain_forward(x: torch.Tensor, tensors: list[torch.Tensor], floats: list[fl
     for name, region in zip(plan.aux_names, fwd.saved.aux):  # only the packs carry data: the rest deterministic
         if not name.startswith("pack"):
             region.zero_()
-        else:  # rows past the BatchNorm's: the fprop kernel's scratch (unwritten for fp32 compute)
+        else:  # rows past the BatchNorm's: the fprop kernel's scratch (not always written)
             region.view(PACK_ROWS, -1)[PACK_SHIFT + 1:].zero_()
     proj_out = fwd.proj_out if fwd.proj_out is not None else x.new_empty(0)
     return [fwd.out, proj_out, fwd.saved.aux_base, *fwd.saved.inputs[1:]]
