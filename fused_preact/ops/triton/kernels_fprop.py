@@ -90,10 +90,11 @@ def _write_pack16(pack_ptr, c_lo, n_ch, C, down, DT: tl.constexpr, BLOCK: tl.con
 
 @triton.jit
 def _write_scaled32(pack_ptr, c_lo, n_ch, C, down, BLOCK: tl.constexpr):
-    """Write scale·2^−e and shift·2^−e (fp32; exact above fp32's subnormals) of channels ``[c_lo, c_lo + n_ch)`` into the pack's
-    scratch rows 5 and 6: the fp32 transform's vectors when the operands are fp16 (an fp32 input under
-    autocast), scaled once per program instead of once per loop iteration (which also took the registers
-    of 128×64 tiles past the limit). Every program writes the same values; a CTA barrier follows."""
+    """Write scale·2^−e and shift·2^−e (fp32; exact above fp32's subnormals) of channels
+    ``[c_lo, c_lo + n_ch)`` into the pack's scratch rows 5 and 6: the fp32 transform's vectors when the
+    operands are fp16 (an fp32 input under autocast), scaled once per program instead of once per loop
+    iteration (which also took the registers of 128×64 tiles past the limit). Every program writes the
+    same values; a CTA barrier follows."""
     for c0 in range(c_lo, c_lo + n_ch, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         cm = cols < c_lo + n_ch
