@@ -144,17 +144,29 @@ def run_units(owner: nn.Module, x: torch.Tensor, units: list, proj: Optional[nn.
         _record(owner, "reference", "; ".join(eager_reasons), x)
         return _eager_units(x, units, proj, proj_out, residual)
     if any(sync_enabled(bn) for bn, _ in units):
-        return _synchronized_units(owner, x, units, proj, proj_out, residual)
-    kind = residual if isinstance(residual, str) or residual is None else "tensor"
-    spec = _spec(units, proj, proj_out, kind or "none")
-    modes = tuple(bn_mode(bn) for bn, _ in units)
-    t = _tensors(units, proj, residual if kind == "tensor" else None, modes)
-    if in_stats is not None and modes[0].kind == BATCH:
-        t.in_stats = in_stats
-    result, choice = run_chain(owner.backend, owner._plans, spec, x, t, modes, out_stats=want_stats,
-                               memory=getattr(owner, "memory", "fastest"))
-    _record(owner, choice.name, choice.reason, x)
+        result = _synchronized_units(owner, x, units, proj, proj_out, residual)
+    else:
+        kind = residual if isinstance(residual, str) or residual is None else "tensor"
+        spec = _spec(units, proj, proj_out, kind or "none")
+        modes = tuple(bn_mode(bn) for bn, _ in units)
+        t = _tensors(units, proj, residual if kind == "tensor" else None, modes)
+        if in_stats is not None and modes[0].kind == BATCH:
+            t.in_stats = in_stats
+        result, choice = run_chain(owner.backend, owner._plans, spec, x, t, modes, out_stats=want_stats,
+                                   memory=getattr(owner, "memory", "fastest"))
+        _record(owner, choice.name, choice.reason, x)
+    _count_without_buffers(units)
     return result
+
+
+def _count_without_buffers(units: list) -> None:
+    """``num_batches_tracked += 1`` for the BatchNorms that count a training batch but have no running
+    buffers to update (``running_mean``/``running_var`` set to None with ``track_running_stats``), as
+    ``nn.BatchNorm2d.forward`` counts it; the chains count the others with their buffer update."""
+    for bn, _ in units:
+        if (bn.training and bn.track_running_stats and bn.num_batches_tracked is not None
+                and not bn_mode(bn).update):
+            bn.num_batches_tracked.add_(1)
 
 
 def _add_shortcut(out, x, proj_val, residual):

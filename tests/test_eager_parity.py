@@ -91,6 +91,33 @@ def test_double_backward_of_a_block_matches_eager():
         assert_close(a, b, torch.float32, name)
 
 
+@pytest.mark.parametrize("what", ["bn.bias", "conv.bias"])
+def test_double_backward_after_an_inplace_change_raises(what):
+    """A double backward recomputes the chain from β and the conv biases as they are at backward
+    time; one changed in place since the forward (e.g. an optimizer step) would silently change the
+    gradient, so it raises autograd's in-place error. A plain backward still gives the forward's
+    gradient, as eager's does (its ReLU saved the forward's output)."""
+    torch.manual_seed(0)
+    fused = FusedPreActBlock(4, 4, backend="triton").to(DEVICE)
+    fused.conv1.bias = nn.Parameter(torch.randn(4, device=DEVICE))  # the chain's inner bias feeds bn2
+    tensor = fused.bn1.bias if what == "bn.bias" else fused.conv1.bias
+    x = _x(2, 4, 5, 5)
+    for create_graph in (True, False):
+        y = fused(x)
+        with torch.no_grad():
+            tensor.add_(1.0)
+        if create_graph:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                torch.autograd.grad(y.square().sum(), x, create_graph=True)
+        else:
+            gx, = torch.autograd.grad(y.square().sum(), x)
+            with torch.no_grad():
+                tensor.sub_(1.0)
+            ref = x.detach().clone().requires_grad_()
+            assert_close(gx, torch.autograd.grad(fused(ref).square().sum(), ref)[0], torch.float32, what)
+    assert fused.last_backend == "triton"
+
+
 # ------------------------------------------------------------------ modules changed between calls
 @pytest.mark.parametrize("change", ["padding", "stride", "dilation"])
 def test_conv_geometry_changed_after_the_first_call(change):
@@ -165,6 +192,46 @@ def test_functional_running_buffer_checks_as_f_batch_norm(case):
         F.batch_norm(x, *args, training=train)
     with pytest.raises(type(eager_err.value), match=str(eager_err.value)):
         bn_relu_conv2d(x, w, None, *args, training=train, padding=1)
+
+
+def test_functional_momentum_none_raises_as_f_batch_norm():
+    x = _x(2, 4, 5, 5, requires_grad=False)
+    w = torch.randn(6, 4, 3, 3, device=DEVICE)
+    rm, rv = torch.zeros(4, device=DEVICE), torch.ones(4, device=DEVICE)
+    with pytest.raises(TypeError) as eager_err:
+        F.batch_norm(x, rm, rv, training=True, momentum=None)
+    with pytest.raises(TypeError, match=re.escape(str(eager_err.value))):
+        bn_relu_conv2d(x, w, None, rm, rv, training=True, momentum=None, padding=1)
+    assert torch.equal(rm, torch.zeros_like(rm))
+
+
+@pytest.mark.parametrize("kind", ["unit", "block"])
+def test_batches_counted_without_running_buffers(kind):
+    """``running_mean``/``running_var`` set to None (batch statistics always) with
+    ``track_running_stats``: ``nn.BatchNorm2d`` still counts each training batch."""
+    if kind == "unit":
+        fused, eager = _twins()
+        bns = [(fused.bn, eager[0])]
+    else:
+        torch.manual_seed(0)
+        fused = FusedPreActBlock(4, 8, stride=2, backend="auto").to(DEVICE)
+        eager = PreActBlock(4, 8, stride=2).to(DEVICE)
+        eager.load_state_dict(fused.state_dict())
+        bns = [(fused.bn1, eager.bn1), (fused.bn2, eager.bn2)]
+    for pair in bns[:1] if kind == "block" else bns:  # block: bn1 only, bn2 keeps its buffers
+        for bn in pair:
+            bn.running_mean = bn.running_var = None
+    x = _x(2, 4, 6, 6, requires_grad=False)
+    for _ in range(3):
+        assert_close(fused(x), eager(x), torch.float32)
+    assert fused.last_backend == "triton"
+    for f, e in bns:
+        assert int(e.num_batches_tracked) == 3
+        assert int(f.num_batches_tracked) == 3
+    fused.eval()
+    eager.eval()
+    assert_close(fused(x), eager(x), torch.float32)  # eval: bn1 normalizes with batch statistics
+    assert int(bns[0][0].num_batches_tracked) == 3
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="eager's mixed-dtype rule differs on CUDA; the probe follows the device")

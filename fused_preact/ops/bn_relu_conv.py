@@ -72,8 +72,11 @@ def bn_relu_conv2d(
             ``running_mean``/``running_var``; PyTorch's input errors.
         ValueError: training with one value per channel, with only one of the running buffers, or with
             ``eps <= 0``; unknown backend name; bad geometry.
+        TypeError: ``momentum`` not a number (``F.batch_norm`` takes no ``None`` there).
     """
     # F.batch_norm's own argument checks, in its order and with its messages.
+    if not isinstance(momentum, (int, float)):
+        raise TypeError(f"batch_norm(): argument 'momentum' (position 7) must be float, not {type(momentum).__name__}")
     if training and (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must either both be None or neither be None")
     if not training:

@@ -131,7 +131,8 @@ class ChainFunction(torch.autograd.Function):
     catch an in-place change between forward and backward. A backward with ``create_graph=True``
     (double backward, e.g. a gradient penalty) recomputes the chain with the differentiable reference
     ops from the saved inputs and differentiates that, so second-order gradients are those of eager
-    PyTorch; a plain backward runs the plan's fused kernels.
+    PyTorch (it also reads the conv biases and β, whose versions it checks: a change in place since the
+    forward raises autograd's error); a plain backward runs the plan's fused kernels.
     """
 
     @staticmethod
@@ -148,8 +149,10 @@ class ChainFunction(torch.autograd.Function):
         ctx.save_for_backward(*saved.inputs, *saved.aux, *t.weights, t.proj_weight,
                               *[t.gammas[i] for i in ctx.gamma_slots],
                               *[v for i in running for v in (t.running_means[i], t.running_vars[i])])
-        # For a double backward only (not version-checked, as eager does not check them either).
+        # For a double backward only: the recomputed chain reads the conv biases and β as they are then,
+        # so their versions are checked there (eager's double backward uses saved activations instead).
         ctx.biases, ctx.betas, ctx.residual = t.biases, t.betas, t.residual
+        ctx.versions = [v._version if v is not None else 0 for v in (*t.biases, *t.betas)]
         ctx.ext = (t.ext_mean, t.ext_invstd)
         ctx.eps = list(t.eps)
         ctx.set_materialize_grads(False)
@@ -190,8 +193,15 @@ class ChainFunction(torch.autograd.Function):
 def _differentiable_backward(ctx, x, weights, proj_w, extra, dy, dy_proj) -> list:
     """Gradients of x and of every slot, as a differentiable graph: the chain recomputed with
     :func:`reference_chain` (batch statistics recomputed, running statistics not updated again) from
-    the saved inputs, then ``torch.autograd.grad(..., create_graph=True)``."""
+    the saved inputs, then ``torch.autograd.grad(..., create_graph=True)``. Raises RuntimeError (autograd's
+    message for a saved tensor) when a conv bias or β it reads changed in place since the forward."""
     plan, n = ctx.plan, ctx.n_units
+    for v, seen in zip((*ctx.biases, *ctx.betas), ctx.versions):
+        if v is not None and v._version != seen:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{v.type()} {list(v.shape)}] is at version {v._version}; expected version {seen} instead "
+                "(fused_preact: a double backward recomputes the chain from the conv biases and BatchNorm β)")
     gammas: list = [None] * n
     for j, i in enumerate(ctx.gamma_slots):
         gammas[i] = extra[j]
