@@ -37,6 +37,7 @@ from fused_preact.ops import (
 )
 from fused_preact.ops.auto import check_memory
 from fused_preact.ops.chain import ChainResult
+from fused_preact.ops.spec import projection_problem
 from fused_preact.ops.sync_stats import sync_bn_statistics, sync_enabled
 
 __all__ = ["FusedBNReLUConv2d", "FusedPreActBlock", "FusedPreActBottleneck", "FusedModuleBase", "bottleneck_width",
@@ -137,6 +138,8 @@ def run_units(owner: nn.Module, x: torch.Tensor, units: list, proj: Optional[nn.
     """
     convs = [c for _, c in units] + ([proj] if proj is not None else [])
     eager_reasons = [r for c in convs for r in _conv_reasons(c)] + _hook_reasons(units, proj)
+    if proj is not None and projection_problem(proj) is not None:
+        eager_reasons.append(projection_problem(proj))
     if eager_reasons:
         if owner.backend not in ("auto", "reference"):
             raise RuntimeError(f"fused_preact: backend={owner.backend!r} cannot serve this module: "

@@ -251,6 +251,94 @@ def test_bn_in_another_dtype_raises_as_eager(dtype, what):
         fused(x)
 
 
+# ------------------------------------------------------------------- geometries the kernels refuse
+def test_padded_kernel_over_32_taps_runs_eagerly_with_a_reason():
+    """The fprop kernel's per-row padding mask holds 32 taps: a padded 7×7 runs eagerly, named;
+    5×5 (25 taps) and an unpadded 7×7 stay fused."""
+    for k, pad, fused_path in ((7, 3, False), (5, 2, True), (7, 0, True)):
+        fused, eager = _twins(k=k, padding=pad)
+        x = _x(2, 4, 9, 9)
+        assert_close(fused(x), eager(x), torch.float32, f"{k}x{k} pad {pad}")
+        assert (fused.last_backend == "triton") == fused_path, fused.fallback_reason
+        if not fused_path:
+            assert "32 taps" in fused.fallback_reason
+    fused.conv.padding = (3, 3)
+    fused.backend = "triton"
+    with pytest.raises(RuntimeError, match="32 taps"):
+        fused(x)
+
+
+@pytest.mark.parametrize("shortcut", ["stride-2x1", "bias", "3x3"])
+def test_projection_the_kernels_cannot_fuse_runs_eagerly(shortcut):
+    """The chains fuse a bias-free 1×1 projection with one stride; any other shortcut conv (a tuple
+    stride, a bias, a larger kernel) runs the block eagerly, with the reason."""
+    stride = (2, 1) if shortcut == "stride-2x1" else 2
+    torch.manual_seed(0)
+    fused = FusedPreActBlock(4, 6, stride=stride, backend="auto").to(DEVICE)
+    eager = PreActBlock(4, 6, stride=stride).to(DEVICE)
+    if shortcut != "stride-2x1":
+        fused.shortcut = nn.Conv2d(4, 6, 1 if shortcut == "bias" else 3, stride=2, padding=0 if shortcut == "bias" else 1,
+                                   bias=shortcut == "bias").to(DEVICE)
+        eager.shortcut = copy.deepcopy(fused.shortcut)
+    eager.load_state_dict(fused.state_dict())
+    x = _x(2, 4, 6, 6)
+    _, gxf, gpf = _grads(fused, x, lambda m, xg: m(xg).square().sum())
+    _, gxe, gpe = _grads(eager, x, lambda m, xg: m(xg).square().sum())
+    assert fused.last_backend == "reference" and "projection shortcut with" in fused.fallback_reason
+    assert_close(gxf, gxe, torch.float32, "dx")
+    for a, b in zip(gpf, gpe):
+        assert_close(a, b, torch.float32, "param grad")
+
+
+def test_convert_keeps_a_3x3_shortcut_out_of_the_fused_chain():
+    """A block whose shortcut is a 3×3 conv (conv1 unpadded too, so the shapes agree): convert() runs
+    the shortcut as its own module instead of as the chain's 1×1 projection."""
+    import fused_preact
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn1, self.conv1 = nn.BatchNorm2d(4), nn.Conv2d(4, 6, 3, 1, 0, bias=False)
+            self.bn2, self.conv2 = nn.BatchNorm2d(6), nn.Conv2d(6, 6, 3, 1, 1, bias=False)
+            self.shortcut = nn.Conv2d(4, 6, 3, 1, 0, bias=False)
+
+        def forward(self, x):
+            out = F.relu(self.bn1(x))
+            return self.conv2(F.relu(self.bn2(self.conv1(out)))) + self.shortcut(out)
+
+    torch.manual_seed(0)
+    block = Block().to(DEVICE)
+    converted = fused_preact.convert(copy.deepcopy(block))
+    assert converted.shortcut_mode != "proj_fused"
+    x = _x(2, 4, 8, 8, requires_grad=False)
+    assert_close(converted(x), block(x), torch.float32, "output")
+    assert converted.last_backend == "triton"
+
+
+def test_conv_bias_of_the_wrong_size_raises_as_eager():
+    x = _x(2, 4, 5, 5, requires_grad=False)
+    w = torch.randn(6, 4, 3, 3, device=DEVICE)
+    for b in (torch.randn(5, device=DEVICE), torch.randn(6, 1, device=DEVICE)):
+        with pytest.raises(RuntimeError) as eager_err:
+            F.conv2d(x, w, b)
+        with pytest.raises(RuntimeError, match=re.escape(str(eager_err.value))):
+            bn_relu_conv2d(x, w, b, training=True, padding=1)
+
+
+@pytest.mark.parametrize("shape", [(8, 4, 3, 3), (6, 4, 1, 1), (6, 4, 5, 5)], ids=["K8", "1x1", "5x5"])
+def test_replaced_conv_weight_defines_the_conv(shape):
+    """``nn.Conv2d.forward`` reads channels and kernel from the weight (a pruned or replaced weight),
+    not from the module's ``out_channels``/``kernel_size``."""
+    fused, eager = _twins()
+    x = _x(2, 4, 6, 6, requires_grad=False)
+    fused(x)  # a plan for the original weight first
+    w = nn.Parameter(torch.randn(shape, device=DEVICE))
+    fused.conv.weight = w
+    eager[2].weight = w
+    assert_close(fused(x), eager(x), torch.float32, "output")
+    assert fused.last_backend == "triton"
+
+
 # ------------------------------------------------------------------------------------- meta tensors
 @pytest.mark.parametrize("cls_args", [(FusedBNReLUConv2d, (4, 6, 3), {"padding": 1, "stride": 2}),
                                       (FusedPreActBlock, (4, 8, 2), {})], ids=["unit", "block"])

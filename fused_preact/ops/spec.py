@@ -47,8 +47,14 @@ class ConvGeom:
 
     @classmethod
     def of(cls, conv: nn.Conv2d) -> "ConvGeom":
-        """The geometry of an ``nn.Conv2d`` (string padding is not accepted: callers check first)."""
-        return cls(conv.in_channels, conv.out_channels, tuple(conv.kernel_size), tuple(conv.stride),
+        """The geometry ``nn.Conv2d.forward`` uses: channels and kernel from the weight's shape (a replaced
+        or pruned weight defines the conv, as ``F.conv2d`` reads it), stride, padding, dilation and groups
+        from the module (string padding is not accepted: callers check first)."""
+        w = conv.weight
+        if w.dim() != 4:  # refused with a clear error by the input checks
+            return cls(conv.in_channels, conv.out_channels, tuple(conv.kernel_size), tuple(conv.stride),
+                       tuple(conv.padding), tuple(conv.dilation), conv.groups, conv.bias is not None)
+        return cls(w.shape[1] * conv.groups, w.shape[0], (w.shape[2], w.shape[3]), tuple(conv.stride),
                    tuple(conv.padding), tuple(conv.dilation), conv.groups, conv.bias is not None)
 
     @classmethod
@@ -266,6 +272,23 @@ def validate_chain(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tup
                                f"{x.device} and {r.device}! (residual)")
 
 
+def projection_problem(conv: nn.Conv2d) -> Optional[str]:
+    """Why ``conv`` cannot be a chain's projection shortcut (:attr:`ChainSpec.proj`: the kernels read tap
+    (0, 0) of a bias-free, unpadded, groups=1 conv with one stride for both axes), or None."""
+    kernel = tuple(conv.weight.shape[2:]) if conv.weight.dim() == 4 else tuple(conv.kernel_size)
+    problems = [what for what, bad in (
+        (f"kernel {list(kernel)}", kernel != (1, 1)),
+        (f"padding {conv.padding!r}", isinstance(conv.padding, str) or tuple(conv.padding) != (0, 0)),
+        (f"groups={conv.groups}", conv.groups != 1),
+        ("a bias", conv.bias is not None),
+        (f"stride {list(conv.stride)}", conv.stride[0] != conv.stride[1]),
+        (f"padding_mode={conv.padding_mode!r}", conv.padding_mode != "zeros")) if bad]
+    if not problems:
+        return None
+    return (f"projection shortcut with {', '.join(problems)} (the fused chains take a bias-free 1×1, groups=1, "
+            "unpadded one with equal strides)")
+
+
 def _check_conv(x, g: ConvGeom, weight, bias, C, H, W, in_shape, autocast: bool) -> None:
     for name, t in (("weight", weight), ("bias", bias)):
         if t is None:
@@ -277,6 +300,9 @@ def _check_conv(x, g: ConvGeom, weight, bias, C, H, W, in_shape, autocast: bool)
             raise RuntimeError(f"Input type ({x.dtype}) and {name} type ({t.dtype}) should be the same")
     if weight.dim() != 4:
         raise RuntimeError(f"fused_preact: expected a 4D conv weight (K, C/groups, R, S), got shape {list(weight.shape)}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise RuntimeError(f"Given weight of size {list(weight.shape)}, expected bias to be 1-dimensional with "
+                           f"{weight.shape[0]} elements, but got bias of size {list(bias.shape)} instead")
     groups = g.groups
     if groups < 1 or C % groups or weight.shape[0] % groups or weight.shape[1] * groups != C:
         raise RuntimeError(
