@@ -325,6 +325,31 @@ def test_conv_bias_of_the_wrong_size_raises_as_eager():
             bn_relu_conv2d(x, w, b, training=True, padding=1)
 
 
+@pytest.mark.parametrize("case", ["valid", "same", "same-dilated", "stride-1-list"])
+def test_functional_geometry_arguments_as_f_conv2d(case):
+    x = _x(2, 4, 6, 6, requires_grad=False)
+    w = torch.randn(6, 4, 3, 3, device=DEVICE)
+    geo = {"valid": dict(padding="valid"), "same": dict(padding="same"),
+           "same-dilated": dict(padding="same", dilation=2), "stride-1-list": dict(stride=[2], padding=[1])}[case]
+    ref = F.conv2d(F.relu(F.batch_norm(x, None, None, training=True)), w, **geo)
+    assert_close(bn_relu_conv2d(x, w, None, training=True, **geo), ref, torch.float32, case)
+
+
+@pytest.mark.parametrize("case", ["same-strided", "same-asymmetric", "no-filters", "3d-weight"])
+def test_functional_geometry_errors(case):
+    x = _x(2, 4, 6, 6, requires_grad=False)
+    w, geo = {"same-strided": (torch.randn(6, 4, 3, 3), dict(padding="same", stride=2)),
+              "same-asymmetric": (torch.randn(6, 4, 4, 4), dict(padding="same")),
+              "no-filters": (torch.randn(0, 4, 3, 3), dict(padding=1)),
+              "3d-weight": (torch.randn(6, 4, 3), dict(padding=1))}[case]
+    w = w.to(DEVICE)
+    with pytest.raises(RuntimeError) as err:
+        bn_relu_conv2d(x, w, None, training=True, **geo)
+    if case in ("same-strided", "no-filters"):  # eager's own message
+        with pytest.raises(RuntimeError, match=re.escape(str(err.value))):
+            F.conv2d(x, w, **geo)
+
+
 @pytest.mark.parametrize("shape", [(8, 4, 3, 3), (6, 4, 1, 1), (6, 4, 5, 5)], ids=["K8", "1x1", "5x5"])
 def test_replaced_conv_weight_defines_the_conv(shape):
     """``nn.Conv2d.forward`` reads channels and kernel from the weight (a pruned or replaced weight),

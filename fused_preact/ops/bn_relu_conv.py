@@ -58,7 +58,8 @@ def bn_relu_conv2d(
         weight: (K, C/groups, R, S) conv weight; bias: (K,) or None.
         running_mean, running_var, bn_weight, bn_bias, training, momentum, eps: as ``F.batch_norm``
             (running buffers are updated in place in training; ``momentum`` is the average factor).
-        stride, padding, dilation, groups: as ``F.conv2d`` (padding as int or pair of ints).
+        stride, padding, dilation, groups: as ``F.conv2d`` (ints, pairs or one-element lists;
+            ``padding="valid"``/``"same"`` too, ``"same"`` where it pads both sides alike).
         backend: ``"auto"`` (measured and validated per signature on CUDA, :mod:`fused_preact.ops.auto`;
             elsewhere the first of ``fused_preact.ops.backends.PRIORITY`` that can serve x), ``"triton"``,
             ``"cuda"`` (CUDA extension, opt-in), ``"recompute"`` (cuDNN convolutions, BN+ReLU recomputed)

@@ -60,10 +60,29 @@ class ConvGeom:
     @classmethod
     def from_args(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], stride, padding, dilation,
                   groups: int) -> "ConvGeom":
-        """The geometry of an ``F.conv2d(x, weight, bias, stride, padding, dilation, groups)`` call."""
-        return cls(weight.shape[1] * groups, weight.shape[0], (weight.shape[2], weight.shape[3]),
-                   pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"), groups,
-                   bias is not None)
+        """The geometry of an ``F.conv2d(x, weight, bias, stride, padding, dilation, groups)`` call;
+        ``padding="valid"``/``"same"`` as ``F.conv2d`` takes them.
+
+        Raises:
+            RuntimeError: a weight that is not 4-D; ``"same"`` with a stride (``F.conv2d``'s error) or
+                with an odd total padding (eager pads one side more; the kernels pad symmetrically).
+        """
+        if weight.dim() != 4:
+            raise RuntimeError(f"fused_preact: expected a 4D conv weight (K, C/groups, R, S), got shape "
+                               f"{list(weight.shape)}")
+        kernel, stride, dilation = (weight.shape[2], weight.shape[3]), pair(stride, "stride"), pair(dilation, "dilation")
+        if padding == "valid":
+            padding = (0, 0)
+        elif padding == "same":
+            if stride != (1, 1):
+                raise RuntimeError("padding='same' is not supported for strided convolutions")
+            total = [d * (k - 1) for d, k in zip(dilation, kernel)]
+            if total[0] % 2 or total[1] % 2:
+                raise RuntimeError(f"fused_preact: padding='same' for kernel {list(kernel)} and dilation "
+                                   f"{list(dilation)} pads one side more (give explicit ints, or use F.conv2d)")
+            padding = (total[0] // 2, total[1] // 2)
+        return cls(weight.shape[1] * groups, weight.shape[0], kernel, stride, pair(padding, "padding"), dilation,
+                   groups, bias is not None)
 
     def out_hw(self, h: int, w: int) -> tuple[int, int]:
         return (conv_out_size(h, self.kernel[0], self.stride[0], self.padding[0], self.dilation[0]),
@@ -300,6 +319,9 @@ def _check_conv(x, g: ConvGeom, weight, bias, C, H, W, in_shape, autocast: bool)
             raise RuntimeError(f"Input type ({x.dtype}) and {name} type ({t.dtype}) should be the same")
     if weight.dim() != 4:
         raise RuntimeError(f"fused_preact: expected a 4D conv weight (K, C/groups, R, S), got shape {list(weight.shape)}")
+    if weight.shape[0] < 1:
+        raise RuntimeError(f"Given groups={g.groups}, expected weight to be at least 1 at dimension 0, but got weight "
+                           f"of size {list(weight.shape)} instead")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise RuntimeError(f"Given weight of size {list(weight.shape)}, expected bias to be 1-dimensional with "
                            f"{weight.shape[0]} elements, but got bias of size {list(bias.shape)} instead")
