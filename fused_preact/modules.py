@@ -136,6 +136,7 @@ def run_units(owner: nn.Module, x: torch.Tensor, units: list, proj: Optional[nn.
     Raises:
         ValueError / RuntimeError: PyTorch's input errors; a forced backend that cannot serve the input.
     """
+    _check_buffers(units)
     convs = [c for _, c in units] + ([proj] if proj is not None else [])
     eager_reasons = [r for c in convs for r in _conv_reasons(c)] + _hook_reasons(units, proj)
     if proj is not None and projection_problem(proj) is not None:
@@ -160,6 +161,18 @@ def run_units(owner: nn.Module, x: torch.Tensor, units: list, proj: Optional[nn.
         _record(owner, choice.name, choice.reason, x)
     _count_without_buffers(units)
     return result
+
+
+def _check_buffers(units: list) -> None:
+    """Raise what ``nn.BatchNorm2d.forward`` raises for a BatchNorm with only one of its running buffers
+    (the chains take both or neither): ``F.batch_norm``'s errors for the arguments it would pass."""
+    for bn, _ in units:
+        if (bn.running_mean is None) != (bn.running_var is None):
+            if not bn.training:
+                missing = "running_mean" if bn.running_mean is None else "running_var"
+                raise RuntimeError(f"{missing} must be defined in evaluation mode")
+            if bn.track_running_stats:
+                raise ValueError("running_mean and running_var must either both be None or neither be None")
 
 
 def _count_without_buffers(units: list) -> None:
@@ -203,12 +216,16 @@ def _synchronized_units(owner, x, units, proj, proj_out, residual):
         spec = _spec([(bn, conv)], unit_proj, "return", "none")
         mode = bn_mode(bn)
         if sync_enabled(bn):
-            if mode.update:
+            # nn.SyncBatchNorm.forward's factor and buffers: updated only in training with
+            # track_running_stats; 1/num_batches_tracked for momentum=None when it is counted.
+            factor = 0.0 if bn.momentum is None else bn.momentum
+            if mode.update and bn.num_batches_tracked is not None:
                 bn.num_batches_tracked.add_(1)
-            factor = (1.0 / float(bn.num_batches_tracked)) if bn.momentum is None else bn.momentum
+                if bn.momentum is None:
+                    factor = 1.0 / float(bn.num_batches_tracked)
+            rm, rv = (bn.running_mean, bn.running_var) if mode.update else (None, None)
             fused = owner.backend != "reference" and not BACKENDS["triton"].not_supported_reasons(h)
-            mean, invstd = sync_bn_statistics(h, bn.running_mean, bn.running_var, factor, bn.eps, bn.process_group,
-                                              fused=fused)
+            mean, invstd = sync_bn_statistics(h, rm, rv, factor, bn.eps, bn.process_group, fused=fused)
             mode = BNMode(EXTERNAL, bn.weight is not None)
             t = _tensors([(bn, conv)], unit_proj, None, (mode,))
             t.ext_mean, t.ext_invstd = mean, invstd

@@ -194,6 +194,62 @@ def test_functional_running_buffer_checks_as_f_batch_norm(case):
         bn_relu_conv2d(x, w, None, *args, training=train, padding=1)
 
 
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("missing", ["running_mean", "running_var"])
+def test_one_running_buffer_raises_as_eager(missing, train):
+    """A BatchNorm with one of its two running buffers set to None: ``nn.BatchNorm2d`` raises (a
+    ValueError in training, a RuntimeError in eval); the fused module did run, on batch statistics."""
+    errors = []
+    for m in _twins():
+        m.train(train)
+        setattr(m.bn if isinstance(m, FusedBNReLUConv2d) else m[0], missing, None)
+        with pytest.raises((ValueError, RuntimeError)) as err:
+            m(_x(2, 4, 5, 5))
+        errors.append((type(err.value), str(err.value)))
+    assert errors[0] == errors[1]
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_cumulative_average_without_a_counter_as_eager(backend):
+    """``momentum=None`` and ``num_batches_tracked`` set to None: ``nn.BatchNorm2d``'s factor stays 0,
+    so the running statistics do not move (the reference path divided by None)."""
+    fused, eager = _twins(momentum=None)
+    fused.backend = backend
+    for bn in (fused.bn, eager[0]):
+        bn.num_batches_tracked = None
+    x = _x(2, 4, 5, 5, requires_grad=False)
+    for _ in range(2):
+        assert_close(fused(x), eager(x), torch.float32)
+    assert fused.last_backend == backend
+    assert torch.equal(fused.bn.running_mean, eager[0].running_mean)
+    assert torch.equal(fused.bn.running_var, eager[0].running_var)
+
+
+@pytest.mark.parametrize("train,eps", [(True, 0.0), (False, -0.5)], ids=["train-eps0", "eval-eps-neg"])
+def test_eps_checked_under_torch_compile(train, eps):
+    """The eps rules hold where the eager probe of ``F.batch_norm`` cannot run (while torch.compile
+    traces): the compiled call raises eager's message too."""
+    fused, _ = _twins()
+    fused.train(train)
+    fused.bn.eps = eps
+    with pytest.raises(Exception, match="eps must be"):
+        torch.compile(fused, backend="eager", fullgraph=True)(_x(2, 4, 5, 5, requires_grad=False))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU autocast to fp16")
+def test_autocast_decision_not_reused_without_autocast():
+    """A plan cached under autocast (fp16 compute from an fp32 module) is not a cache hit for the same
+    fp16 input outside autocast, where eager raises the dtype mismatch."""
+    fused, eager = _twins()
+    x = _x(2, 4, 5, 5, requires_grad=False).half()
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert fused(x).dtype == torch.float16
+    with pytest.raises(RuntimeError):
+        eager(x)
+    with pytest.raises(RuntimeError, match="should be the same"):
+        fused(x)
+
+
 def test_functional_momentum_none_raises_as_f_batch_norm():
     x = _x(2, 4, 5, 5, requires_grad=False)
     w = torch.randn(6, 4, 3, 3, device=DEVICE)

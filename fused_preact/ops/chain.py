@@ -60,8 +60,8 @@ def _preact_reference(x: torch.Tensor, t: ChainTensors, i: int, mode: BNMode) ->
         return F.relu(a).to(x.dtype)
     if mode.update and t.num_batches[i] is not None:
         t.num_batches[i].add_(1)
-    if mode.cumulative:
-        momentum = 1.0 / float(t.num_batches[i]) if mode.update else 0.0
+    if mode.cumulative:  # nn.BatchNorm2d: 1/num_batches_tracked when it is counted, else 0
+        momentum = 1.0 / float(t.num_batches[i]) if mode.update and t.num_batches[i] is not None else 0.0
     else:
         momentum = t.momenta[i]
     keep = mode.kind == BATCH and not mode.update

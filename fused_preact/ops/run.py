@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from fused_preact.ops import auto as _auto
 from fused_preact.ops import library
-from fused_preact.ops._common import compute_dtype
+from fused_preact.ops._common import autocast_enabled, compute_dtype
 from fused_preact.ops.backends import BackendChoice, PlanCache, ReferenceBackend, select_backend
 from fused_preact.ops.chain import ChainFunction, ChainResult, differentiable_slots, reference_chain
 from fused_preact.ops.spec import (
@@ -36,13 +36,15 @@ def _sig(v) -> Optional[tuple]:
 
 def _signature(requested: str, spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes, cd, out_stats) -> tuple:
     """Everything a cached decision, validation and plan derive from: the chain, the BN modes and eps,
-    the layout, dtype and device of x and of every tensor of the call, the compute dtype."""
+    the layout, dtype and device of x and of every tensor of the call, the compute dtype and whether
+    autocast is on (it decides which dtype mixes validation accepts)."""
     per_unit = tuple((_sig(t.weights[i]), _sig(t.biases[i]), _sig(t.gammas[i]), _sig(t.betas[i]),
                       _sig(t.running_means[i]), _sig(t.running_vars[i]), _sig(t.num_batches[i]), t.eps[i])
                      for i in range(len(t.weights)))
     extra = (_sig(t.proj_weight), _sig(t.residual), _sig(t.ext_mean), _sig(t.ext_invstd),
              None if t.in_stats is None else _sig(t.in_stats.part))
-    return (requested, spec, modes, x.shape, x.stride(), x.dtype, x.device, cd, out_stats, per_unit, extra)
+    return (requested, spec, modes, x.shape, x.stride(), x.dtype, x.device, cd, autocast_enabled(x.device.type),
+            out_stats, per_unit, extra)
 
 
 def _check_like_eager(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BNMode, ...],

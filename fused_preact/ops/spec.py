@@ -249,7 +249,8 @@ def validate_chain(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tup
     exception types (those of ``F.batch_norm`` and ``F.conv2d``).
 
     Raises:
-        ValueError: x not 4-D; training with one value per channel; malformed geometry.
+        ValueError: x not 4-D; training with one value per channel; ``eps`` ≤ 0 in training or < 0 in
+            eval; malformed geometry.
         RuntimeError: non-floating x; channel mismatch; groups not dividing channels; tensors on other
             devices; dtype mismatch outside autocast; output size ≤ 0; residual of the wrong shape.
     """
@@ -270,6 +271,10 @@ def validate_chain(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tup
                                    f"conv {i} has {vec.numel()} features, its input {c} channels)")
         if modes[i].kind == BATCH and n * h * wd == 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(shape)}")
+        if modes[i].kind == BATCH and not t.eps[i] > 0:
+            raise ValueError(f"batch_norm eps must be positive during training, but got {t.eps[i]}")
+        if modes[i].kind == RUNNING and t.eps[i] < 0:
+            raise ValueError(f"batch_norm eps must be non-negative, but got {t.eps[i]}")
         _check_conv(x, g, w, b, c, h, wd, shape, autocast)
         shape = (n, g.out_channels, *g.out_hw(h, wd))
         shapes.append(shape)
