@@ -95,9 +95,37 @@ def _spec(units: list, proj: Optional[nn.Conv2d], proj_out: str, residual: str) 
                      proj_out, residual)
 
 
+def _exactly(m: nn.Module, cls: type) -> bool:
+    """``type(m) is cls``, or a ``torch.nn.utils.parametrize`` class over it (its forward is cls's)."""
+    return type(m) is cls or (nn.utils.parametrize.is_parametrized(m) and type(m).__bases__ == (cls,))
+
+
+def _norm_act(bn: nn.Module) -> list[nn.Module]:
+    """A timm-style BatchNormAct2d's ``act`` and ``drop`` (which the fused path never calls), else []."""
+    act, drop = getattr(bn, "act", None), getattr(bn, "drop", None)
+    return [act, drop] if isinstance(act, nn.Module) and isinstance(drop, nn.Module) else []
+
+
+def _type_reasons(units: list) -> list[str]:
+    """Children whose own forward the fused path would bypass: a BatchNorm that is not exactly
+    ``nn.BatchNorm2d``/``nn.SyncBatchNorm`` (or a BatchNorm2d carrying ReLU ``act`` and Identity ``drop``,
+    timm's BatchNormAct2d), a conv that is not exactly ``nn.Conv2d``; e.g. a frozen-BN subclass or a
+    BatchNorm1d swapped in after ``convert()``."""
+    reasons = []
+    for bn, conv in units:
+        act = _norm_act(bn)
+        if not (_exactly(bn, nn.BatchNorm2d) or _exactly(bn, nn.SyncBatchNorm) or (
+                isinstance(bn, nn.BatchNorm2d) and act and type(act[0]) is nn.ReLU and type(act[1]) is nn.Identity)):
+            reasons.append(f"{type(bn).__name__} is not exactly nn.BatchNorm2d (its own forward runs)")
+        if not _exactly(conv, nn.Conv2d):
+            reasons.append(f"{type(conv).__name__} is not exactly nn.Conv2d (its own forward runs)")
+    return reasons
+
+
 def _hook_reasons(units: list, proj: Optional[nn.Conv2d]) -> list[str]:
-    """Hooks that must see plain ``bn(x)`` / ``conv(a)`` module calls (the fused path makes none)."""
-    mods = [m for pair in units for m in pair] + ([proj] if proj is not None else [])
+    """Hooks that must see plain ``bn(x)`` / ``conv(a)`` module calls (the fused path makes none),
+    including a BatchNormAct2d's ``act``/``drop``."""
+    mods = [m for bn, conv in units for m in (bn, *_norm_act(bn), conv)] + ([proj] if proj is not None else [])
     reasons = []
     for m in mods:
         kinds = [k for k in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -138,7 +166,7 @@ def run_units(owner: nn.Module, x: torch.Tensor, units: list, proj: Optional[nn.
     """
     _check_buffers(units)
     convs = [c for _, c in units] + ([proj] if proj is not None else [])
-    eager_reasons = [r for c in convs for r in _conv_reasons(c)] + _hook_reasons(units, proj)
+    eager_reasons = _type_reasons(units) + [r for c in convs for r in _conv_reasons(c)] + _hook_reasons(units, proj)
     if proj is not None and projection_problem(proj) is not None:
         eager_reasons.append(projection_problem(proj))
     if eager_reasons:
