@@ -724,6 +724,41 @@ def test_fused_sequential_runs_children_edited_after_convert(edit):
     assert edit != "act-hook" or len(seen) == 2
 
 
+class TimmStyleBasic(nn.Module):
+    """timm ``PreActBasic``'s layout: BatchNormAct norms, an identity ``downsample``, ``drop_path``."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.norm1, self.conv1 = NormAct(c), nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.norm2, self.conv2 = NormAct(c), nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.downsample, self.drop_path = nn.Identity(), nn.Identity()
+
+    def forward(self, x):
+        a = self.norm1(x)
+        return self.drop_path(self.conv2(self.norm2(self.conv1(a)))) + self.downsample(x)
+
+
+@pytest.mark.parametrize("where", ["projection-container", "identity-shortcut", "drop-path"])
+def test_hooks_added_after_convert_on_unfused_parts_run(where):
+    """A hook added after ``convert()`` to a module the fused reading does not call — the
+    ``Sequential`` around a fused projection, an identity shortcut, an inactive drop path — runs, and
+    changes the output as it does eagerly."""
+    torch.manual_seed(0)
+    block = {"projection-container": lambda: CifarPreActBlock(4, 8, stride=2),
+             "identity-shortcut": lambda: TimmStyleBasic(4), "drop-path": lambda: TimmStyleBasic(4)}[where]()
+    model = nn.Sequential(block)
+    _, report = convert(model, report=True)
+    assert [r.name for r in report.replaced] == ["0"], _reasons(report)
+    eager = nn.Sequential(copy.deepcopy(block))
+    name = {"projection-container": "shortcut", "identity-shortcut": "downsample", "drop-path": "drop_path"}[where]
+    seen = []
+    for m in (model, eager):
+        getattr(m[0], name).register_forward_hook(lambda mod, i, o: seen.append(1) or o * 2)
+    x = torch.randn(2, 4, 6, 6)
+    assert_close(model(x), eager(x), torch.float32, where)
+    assert len(seen) == 2
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="unknown backend"):
         convert(nn.Sequential(), backend="cudnn")
