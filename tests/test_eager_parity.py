@@ -9,6 +9,7 @@ path ran and why; references are eager twins with the same parameters, in float3
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -116,6 +117,43 @@ def test_double_backward_after_an_inplace_change_raises(what):
             ref = x.detach().clone().requires_grad_()
             assert_close(gx, torch.autograd.grad(fused(ref).square().sum(), ref)[0], torch.float32, what)
     assert fused.last_backend == "triton"
+
+
+@pytest.mark.parametrize("grad_mode", ["no_grad", "frozen"])
+def test_forward_mode_ad_tangent_as_eager(grad_mode):
+    """Forward-mode AD (a dual input) where no autograd node is built — under no_grad, or with frozen
+    parameters: the fused kernels would drop the tangent; the chain runs the reference ops, named."""
+    import torch.autograd.forward_ad as fwAD
+
+    fused, eager = _twins()
+    if grad_mode == "frozen":
+        for p in (*fused.parameters(), *eager.parameters()):
+            p.requires_grad_(False)
+    x, tangent = _x(2, 4, 5, 5, requires_grad=False), _x(2, 4, 5, 5, seed=2, requires_grad=False)
+    outs = []
+    for m in (fused, eager):
+        with fwAD.dual_level(), (torch.no_grad() if grad_mode == "no_grad" else contextlib.nullcontext()):
+            outs.append(fwAD.unpack_dual(m(fwAD.make_dual(x, tangent))).tangent)
+    assert outs[0] is not None and "forward-mode AD" in fused.fallback_reason
+    assert_close(outs[0], outs[1], torch.float32, "tangent")
+
+
+def test_non_reentrant_checkpoint_on_the_first_call():
+    """torch.utils.checkpoint (non-reentrant) counts the tensors saved in forward and in its
+    recomputation: the first call's checks (a cache miss) must save none of their own."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    fused = FusedPreActBlock(4, 8, stride=2, backend="triton").to(DEVICE)
+    eager = PreActBlock(4, 8, stride=2).to(DEVICE)
+    eager.load_state_dict(fused.state_dict())
+    grads = []
+    for m in (fused, eager):
+        x = _x(2, 4, 6, 6)
+        checkpoint(m, x, use_reentrant=False).square().sum().backward()
+        grads.append(x.grad)
+    assert fused.last_backend == "triton"
+    assert_close(grads[0], grads[1], torch.float32, "dx")
 
 
 # ------------------------------------------------------------------ modules changed between calls

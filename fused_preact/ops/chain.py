@@ -153,6 +153,7 @@ class ChainFunction(torch.autograd.Function):
         # so their versions are checked there (eager's double backward uses saved activations instead).
         ctx.biases, ctx.betas, ctx.residual = t.biases, t.betas, t.residual
         ctx.versions = [v._version if v is not None else 0 for v in (*t.biases, *t.betas)]
+        ctx.input_strides = [v.stride() for v in saved.inputs]  # what the plan's kernels will address
         ctx.ext = (t.ext_mean, t.ext_invstd)
         ctx.eps = list(t.eps)
         ctx.set_materialize_grads(False)
@@ -179,9 +180,13 @@ class ChainFunction(torch.autograd.Function):
             dy = saved.inputs[0].new_zeros(plan.out_shape, dtype=plan.out_dtype)
         if ctx.has_proj_out and dy_proj is None:
             dy_proj = saved.inputs[0].new_zeros(plan.proj_shape, dtype=plan.cdtype)
-        if torch.is_grad_enabled():  # create_graph=True: second-order gradients through the reference
+        # create_graph=True: second-order gradients through the reference. A saved input that a
+        # saved-tensors hook handed back in another layout (save_on_cpu(pin_memory=True) unpacks NCHW)
+        # cannot be read with the plan's strides: the reference differentiates it as it is.
+        relaid = [v.stride() for v in saved.inputs] != ctx.input_strides
+        if torch.is_grad_enabled() or relaid:
             return (None, None, *_differentiable_backward(ctx, saved.inputs[0], weights, proj_w, tensors[k + n + 1:],
-                                                          dy, dy_proj))
+                                                          dy, dy_proj, create_graph=torch.is_grad_enabled()))
         needs, need_res, _ = _slot_needs(ctx.needs_input_grad, n, ctx.bn_dtypes)
         g = plan.backward(dy, dy_proj, saved, weights, proj_w, needs)
         flat = [v for i in range(n) for v in (g.weights[i], g.biases[i], g.gammas[i], g.betas[i])]
@@ -190,7 +195,7 @@ class ChainFunction(torch.autograd.Function):
         return (None, None, g.dx, *flat)
 
 
-def _differentiable_backward(ctx, x, weights, proj_w, extra, dy, dy_proj) -> list:
+def _differentiable_backward(ctx, x, weights, proj_w, extra, dy, dy_proj, create_graph: bool = True) -> list:
     """Gradients of x and of every slot, as a differentiable graph: the chain recomputed with
     :func:`reference_chain` (batch statistics recomputed, running statistics not updated again) from
     the saved inputs, then ``torch.autograd.grad(..., create_graph=True)``. Raises RuntimeError (autograd's
@@ -212,6 +217,9 @@ def _differentiable_backward(ctx, x, weights, proj_w, extra, dy, dy_proj) -> lis
     t = ChainTensors(weights, list(ctx.biases), gammas, list(ctx.betas), rms, rvs, [None] * n, [0.0] * n, ctx.eps,
                      proj_w, ctx.residual, *ctx.ext)
     modes = tuple(dataclasses.replace(m, update=False) for m in plan.modes)
+    if not create_graph:  # plain gradients, of fresh leaves (a hook's unpacked tensors need not require grad)
+        x = x.detach().requires_grad_(x.is_floating_point())
+        t = _with_slots(t, [v.detach().requires_grad_() if v is not None else None for v in differentiable_slots(t)])
     slots = [x] + differentiable_slots(t)
     wanted = [j for j, v in enumerate(slots) if v is not None and ctx.needs_input_grad[2 + j]]
     with torch.enable_grad():
@@ -220,7 +228,7 @@ def _differentiable_backward(ctx, x, weights, proj_w, extra, dy, dy_proj) -> lis
     if dy_proj is not None:
         outs.append(res.proj_out)
         gouts.append(dy_proj)
-    got = torch.autograd.grad(outs, [slots[j] for j in wanted], gouts, create_graph=True, allow_unused=True)
+    got = torch.autograd.grad(outs, [slots[j] for j in wanted], gouts, create_graph=create_graph, allow_unused=True)
     grads: list = [None] * len(slots)
     for j, v in zip(wanted, got):
         grads[j] = v if v is not None else torch.zeros_like(slots[j])
