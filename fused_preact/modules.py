@@ -37,6 +37,7 @@ from fused_preact.ops import (
 )
 from fused_preact.ops.auto import check_memory
 from fused_preact.ops.chain import ChainResult
+from fused_preact.ops.spec import projection_problem
 from fused_preact.ops.sync_stats import sync_bn_statistics, sync_enabled
 
 __all__ = ["FusedBNReLUConv2d", "FusedPreActBlock", "FusedPreActBottleneck", "FusedModuleBase", "bottleneck_width",
@@ -94,9 +95,37 @@ def _spec(units: list, proj: Optional[nn.Conv2d], proj_out: str, residual: str) 
                      proj_out, residual)
 
 
+def _exactly(m: nn.Module, cls: type) -> bool:
+    """``type(m) is cls``, or a ``torch.nn.utils.parametrize`` class over it (its forward is cls's)."""
+    return type(m) is cls or (nn.utils.parametrize.is_parametrized(m) and type(m).__bases__ == (cls,))
+
+
+def _norm_act(bn: nn.Module) -> list[nn.Module]:
+    """A timm-style BatchNormAct2d's ``act`` and ``drop`` (which the fused path never calls), else []."""
+    act, drop = getattr(bn, "act", None), getattr(bn, "drop", None)
+    return [act, drop] if isinstance(act, nn.Module) and isinstance(drop, nn.Module) else []
+
+
+def _type_reasons(units: list) -> list[str]:
+    """Children whose own forward the fused path would bypass: a BatchNorm that is not exactly
+    ``nn.BatchNorm2d``/``nn.SyncBatchNorm`` (or a BatchNorm2d carrying ReLU ``act`` and Identity ``drop``,
+    timm's BatchNormAct2d), a conv that is not exactly ``nn.Conv2d``; e.g. a frozen-BN subclass or a
+    BatchNorm1d swapped in after ``convert()``."""
+    reasons = []
+    for bn, conv in units:
+        act = _norm_act(bn)
+        if not (_exactly(bn, nn.BatchNorm2d) or _exactly(bn, nn.SyncBatchNorm) or (
+                isinstance(bn, nn.BatchNorm2d) and act and type(act[0]) is nn.ReLU and type(act[1]) is nn.Identity)):
+            reasons.append(f"{type(bn).__name__} is not exactly nn.BatchNorm2d (its own forward runs)")
+        if not _exactly(conv, nn.Conv2d):
+            reasons.append(f"{type(conv).__name__} is not exactly nn.Conv2d (its own forward runs)")
+    return reasons
+
+
 def _hook_reasons(units: list, proj: Optional[nn.Conv2d]) -> list[str]:
-    """Hooks that must see plain ``bn(x)`` / ``conv(a)`` module calls (the fused path makes none)."""
-    mods = [m for pair in units for m in pair] + ([proj] if proj is not None else [])
+    """Hooks that must see plain ``bn(x)`` / ``conv(a)`` module calls (the fused path makes none),
+    including a BatchNormAct2d's ``act``/``drop``."""
+    mods = [m for bn, conv in units for m in (bn, *_norm_act(bn), conv)] + ([proj] if proj is not None else [])
     reasons = []
     for m in mods:
         kinds = [k for k in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -135,8 +164,11 @@ def run_units(owner: nn.Module, x: torch.Tensor, units: list, proj: Optional[nn.
     Raises:
         ValueError / RuntimeError: PyTorch's input errors; a forced backend that cannot serve the input.
     """
+    _check_buffers(units)
     convs = [c for _, c in units] + ([proj] if proj is not None else [])
-    eager_reasons = [r for c in convs for r in _conv_reasons(c)] + _hook_reasons(units, proj)
+    eager_reasons = _type_reasons(units) + [r for c in convs for r in _conv_reasons(c)] + _hook_reasons(units, proj)
+    if proj is not None and projection_problem(proj) is not None:
+        eager_reasons.append(projection_problem(proj))
     if eager_reasons:
         if owner.backend not in ("auto", "reference"):
             raise RuntimeError(f"fused_preact: backend={owner.backend!r} cannot serve this module: "
@@ -144,17 +176,41 @@ def run_units(owner: nn.Module, x: torch.Tensor, units: list, proj: Optional[nn.
         _record(owner, "reference", "; ".join(eager_reasons), x)
         return _eager_units(x, units, proj, proj_out, residual)
     if any(sync_enabled(bn) for bn, _ in units):
-        return _synchronized_units(owner, x, units, proj, proj_out, residual)
-    kind = residual if isinstance(residual, str) or residual is None else "tensor"
-    spec = _spec(units, proj, proj_out, kind or "none")
-    modes = tuple(bn_mode(bn) for bn, _ in units)
-    t = _tensors(units, proj, residual if kind == "tensor" else None, modes)
-    if in_stats is not None and modes[0].kind == BATCH:
-        t.in_stats = in_stats
-    result, choice = run_chain(owner.backend, owner._plans, spec, x, t, modes, out_stats=want_stats,
-                               memory=getattr(owner, "memory", "fastest"))
-    _record(owner, choice.name, choice.reason, x)
+        result = _synchronized_units(owner, x, units, proj, proj_out, residual)
+    else:
+        kind = residual if isinstance(residual, str) or residual is None else "tensor"
+        spec = _spec(units, proj, proj_out, kind or "none")
+        modes = tuple(bn_mode(bn) for bn, _ in units)
+        t = _tensors(units, proj, residual if kind == "tensor" else None, modes)
+        if in_stats is not None and modes[0].kind == BATCH:
+            t.in_stats = in_stats
+        result, choice = run_chain(owner.backend, owner._plans, spec, x, t, modes, out_stats=want_stats,
+                                   memory=getattr(owner, "memory", "fastest"))
+        _record(owner, choice.name, choice.reason, x)
+    _count_without_buffers(units)
     return result
+
+
+def _check_buffers(units: list) -> None:
+    """Raise what ``nn.BatchNorm2d.forward`` raises for a BatchNorm with only one of its running buffers
+    (the chains take both or neither): ``F.batch_norm``'s errors for the arguments it would pass."""
+    for bn, _ in units:
+        if (bn.running_mean is None) != (bn.running_var is None):
+            if not bn.training:
+                missing = "running_mean" if bn.running_mean is None else "running_var"
+                raise RuntimeError(f"{missing} must be defined in evaluation mode")
+            if bn.track_running_stats:
+                raise ValueError("running_mean and running_var must either both be None or neither be None")
+
+
+def _count_without_buffers(units: list) -> None:
+    """``num_batches_tracked += 1`` for the BatchNorms that count a training batch but have no running
+    buffers to update (``running_mean``/``running_var`` set to None with ``track_running_stats``), as
+    ``nn.BatchNorm2d.forward`` counts it; the chains count the others with their buffer update."""
+    for bn, _ in units:
+        if (bn.training and bn.track_running_stats and bn.num_batches_tracked is not None
+                and not bn_mode(bn).update):
+            bn.num_batches_tracked.add_(1)
 
 
 def _add_shortcut(out, x, proj_val, residual):
@@ -188,12 +244,16 @@ def _synchronized_units(owner, x, units, proj, proj_out, residual):
         spec = _spec([(bn, conv)], unit_proj, "return", "none")
         mode = bn_mode(bn)
         if sync_enabled(bn):
-            if mode.update:
+            # nn.SyncBatchNorm.forward's factor and buffers: updated only in training with
+            # track_running_stats; 1/num_batches_tracked for momentum=None when it is counted.
+            factor = 0.0 if bn.momentum is None else bn.momentum
+            if mode.update and bn.num_batches_tracked is not None:
                 bn.num_batches_tracked.add_(1)
-            factor = (1.0 / float(bn.num_batches_tracked)) if bn.momentum is None else bn.momentum
+                if bn.momentum is None:
+                    factor = 1.0 / float(bn.num_batches_tracked)
+            rm, rv = (bn.running_mean, bn.running_var) if mode.update else (None, None)
             fused = owner.backend != "reference" and not BACKENDS["triton"].not_supported_reasons(h)
-            mean, invstd = sync_bn_statistics(h, bn.running_mean, bn.running_var, factor, bn.eps, bn.process_group,
-                                              fused=fused)
+            mean, invstd = sync_bn_statistics(h, rm, rv, factor, bn.eps, bn.process_group, fused=fused)
             mode = BNMode(EXTERNAL, bn.weight is not None)
             t = _tensors([(bn, conv)], unit_proj, None, (mode,))
             t.ext_mean, t.ext_invstd = mean, invstd

@@ -9,6 +9,7 @@ path ran and why; references are eager twins with the same parameters, in float3
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -91,6 +92,70 @@ def test_double_backward_of_a_block_matches_eager():
         assert_close(a, b, torch.float32, name)
 
 
+@pytest.mark.parametrize("what", ["bn.bias", "conv.bias"])
+def test_double_backward_after_an_inplace_change_raises(what):
+    """A double backward recomputes the chain from β and the conv biases as they are at backward
+    time; one changed in place since the forward (e.g. an optimizer step) would silently change the
+    gradient, so it raises autograd's in-place error. A plain backward still gives the forward's
+    gradient, as eager's does (its ReLU saved the forward's output)."""
+    torch.manual_seed(0)
+    fused = FusedPreActBlock(4, 4, backend="triton").to(DEVICE)
+    fused.conv1.bias = nn.Parameter(torch.randn(4, device=DEVICE))  # the chain's inner bias feeds bn2
+    tensor = fused.bn1.bias if what == "bn.bias" else fused.conv1.bias
+    x = _x(2, 4, 5, 5)
+    for create_graph in (True, False):
+        y = fused(x)
+        with torch.no_grad():
+            tensor.add_(1.0)
+        if create_graph:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                torch.autograd.grad(y.square().sum(), x, create_graph=True)
+        else:
+            gx, = torch.autograd.grad(y.square().sum(), x)
+            with torch.no_grad():
+                tensor.sub_(1.0)
+            ref = x.detach().clone().requires_grad_()
+            assert_close(gx, torch.autograd.grad(fused(ref).square().sum(), ref)[0], torch.float32, what)
+    assert fused.last_backend == "triton"
+
+
+@pytest.mark.parametrize("grad_mode", ["no_grad", "frozen"])
+def test_forward_mode_ad_tangent_as_eager(grad_mode):
+    """Forward-mode AD (a dual input) where no autograd node is built — under no_grad, or with frozen
+    parameters: the fused kernels would drop the tangent; the chain runs the reference ops, named."""
+    import torch.autograd.forward_ad as fwAD
+
+    fused, eager = _twins()
+    if grad_mode == "frozen":
+        for p in (*fused.parameters(), *eager.parameters()):
+            p.requires_grad_(False)
+    x, tangent = _x(2, 4, 5, 5, requires_grad=False), _x(2, 4, 5, 5, seed=2, requires_grad=False)
+    outs = []
+    for m in (fused, eager):
+        with fwAD.dual_level(), (torch.no_grad() if grad_mode == "no_grad" else contextlib.nullcontext()):
+            outs.append(fwAD.unpack_dual(m(fwAD.make_dual(x, tangent))).tangent)
+    assert outs[0] is not None and "forward-mode AD" in fused.fallback_reason
+    assert_close(outs[0], outs[1], torch.float32, "tangent")
+
+
+def test_non_reentrant_checkpoint_on_the_first_call():
+    """torch.utils.checkpoint (non-reentrant) counts the tensors saved in forward and in its
+    recomputation: the first call's checks (a cache miss) must save none of their own."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    fused = FusedPreActBlock(4, 8, stride=2, backend="triton").to(DEVICE)
+    eager = PreActBlock(4, 8, stride=2).to(DEVICE)
+    eager.load_state_dict(fused.state_dict())
+    grads = []
+    for m in (fused, eager):
+        x = _x(2, 4, 6, 6)
+        checkpoint(m, x, use_reentrant=False).square().sum().backward()
+        grads.append(x.grad)
+    assert fused.last_backend == "triton"
+    assert_close(grads[0], grads[1], torch.float32, "dx")
+
+
 # ------------------------------------------------------------------ modules changed between calls
 @pytest.mark.parametrize("change", ["padding", "stride", "dilation"])
 def test_conv_geometry_changed_after_the_first_call(change):
@@ -167,6 +232,102 @@ def test_functional_running_buffer_checks_as_f_batch_norm(case):
         bn_relu_conv2d(x, w, None, *args, training=train, padding=1)
 
 
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("missing", ["running_mean", "running_var"])
+def test_one_running_buffer_raises_as_eager(missing, train):
+    """A BatchNorm with one of its two running buffers set to None: ``nn.BatchNorm2d`` raises (a
+    ValueError in training, a RuntimeError in eval); the fused module did run, on batch statistics."""
+    errors = []
+    for m in _twins():
+        m.train(train)
+        setattr(m.bn if isinstance(m, FusedBNReLUConv2d) else m[0], missing, None)
+        with pytest.raises((ValueError, RuntimeError)) as err:
+            m(_x(2, 4, 5, 5))
+        errors.append((type(err.value), str(err.value)))
+    assert errors[0] == errors[1]
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_cumulative_average_without_a_counter_as_eager(backend):
+    """``momentum=None`` and ``num_batches_tracked`` set to None: ``nn.BatchNorm2d``'s factor stays 0,
+    so the running statistics do not move (the reference path divided by None)."""
+    fused, eager = _twins(momentum=None)
+    fused.backend = backend
+    for bn in (fused.bn, eager[0]):
+        bn.num_batches_tracked = None
+    x = _x(2, 4, 5, 5, requires_grad=False)
+    for _ in range(2):
+        assert_close(fused(x), eager(x), torch.float32)
+    assert fused.last_backend == backend
+    assert torch.equal(fused.bn.running_mean, eager[0].running_mean)
+    assert torch.equal(fused.bn.running_var, eager[0].running_var)
+
+
+@pytest.mark.parametrize("train,eps", [(True, 0.0), (False, -0.5)], ids=["train-eps0", "eval-eps-neg"])
+def test_eps_checked_under_torch_compile(train, eps):
+    """The eps rules hold where the eager probe of ``F.batch_norm`` cannot run (while torch.compile
+    traces): the compiled call raises eager's message too."""
+    fused, _ = _twins()
+    fused.train(train)
+    fused.bn.eps = eps
+    with pytest.raises(Exception, match="eps must be"):
+        torch.compile(fused, backend="eager", fullgraph=True)(_x(2, 4, 5, 5, requires_grad=False))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU autocast to fp16")
+def test_autocast_decision_not_reused_without_autocast():
+    """A plan cached under autocast (fp16 compute from an fp32 module) is not a cache hit for the same
+    fp16 input outside autocast, where eager raises the dtype mismatch."""
+    fused, eager = _twins()
+    x = _x(2, 4, 5, 5, requires_grad=False).half()
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert fused(x).dtype == torch.float16
+    with pytest.raises(RuntimeError):
+        eager(x)
+    with pytest.raises(RuntimeError, match="should be the same"):
+        fused(x)
+
+
+def test_functional_momentum_none_raises_as_f_batch_norm():
+    x = _x(2, 4, 5, 5, requires_grad=False)
+    w = torch.randn(6, 4, 3, 3, device=DEVICE)
+    rm, rv = torch.zeros(4, device=DEVICE), torch.ones(4, device=DEVICE)
+    with pytest.raises(TypeError) as eager_err:
+        F.batch_norm(x, rm, rv, training=True, momentum=None)
+    with pytest.raises(TypeError, match=re.escape(str(eager_err.value))):
+        bn_relu_conv2d(x, w, None, rm, rv, training=True, momentum=None, padding=1)
+    assert torch.equal(rm, torch.zeros_like(rm))
+
+
+@pytest.mark.parametrize("kind", ["unit", "block"])
+def test_batches_counted_without_running_buffers(kind):
+    """``running_mean``/``running_var`` set to None (batch statistics always) with
+    ``track_running_stats``: ``nn.BatchNorm2d`` still counts each training batch."""
+    if kind == "unit":
+        fused, eager = _twins()
+        bns = [(fused.bn, eager[0])]
+    else:
+        torch.manual_seed(0)
+        fused = FusedPreActBlock(4, 8, stride=2, backend="auto").to(DEVICE)
+        eager = PreActBlock(4, 8, stride=2).to(DEVICE)
+        eager.load_state_dict(fused.state_dict())
+        bns = [(fused.bn1, eager.bn1), (fused.bn2, eager.bn2)]
+    for pair in bns[:1] if kind == "block" else bns:  # block: bn1 only, bn2 keeps its buffers
+        for bn in pair:
+            bn.running_mean = bn.running_var = None
+    x = _x(2, 4, 6, 6, requires_grad=False)
+    for _ in range(3):
+        assert_close(fused(x), eager(x), torch.float32)
+    assert fused.last_backend == "triton"
+    for f, e in bns:
+        assert int(e.num_batches_tracked) == 3
+        assert int(f.num_batches_tracked) == 3
+    fused.eval()
+    eager.eval()
+    assert_close(fused(x), eager(x), torch.float32)  # eval: bn1 normalizes with batch statistics
+    assert int(bns[0][0].num_batches_tracked) == 3
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="eager's mixed-dtype rule differs on CUDA; the probe follows the device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("what", ["buffers", "params"])
@@ -182,6 +343,119 @@ def test_bn_in_another_dtype_raises_as_eager(dtype, what):
         eager(x)
     with pytest.raises(RuntimeError, match=re.escape(str(e.value))):
         fused(x)
+
+
+# ------------------------------------------------------------------- geometries the kernels refuse
+def test_padded_kernel_over_32_taps_runs_eagerly_with_a_reason():
+    """The fprop kernel's per-row padding mask holds 32 taps: a padded 7×7 runs eagerly, named;
+    5×5 (25 taps) and an unpadded 7×7 stay fused."""
+    for k, pad, fused_path in ((7, 3, False), (5, 2, True), (7, 0, True)):
+        fused, eager = _twins(k=k, padding=pad)
+        x = _x(2, 4, 9, 9)
+        assert_close(fused(x), eager(x), torch.float32, f"{k}x{k} pad {pad}")
+        assert (fused.last_backend == "triton") == fused_path, fused.fallback_reason
+        if not fused_path:
+            assert "32 taps" in fused.fallback_reason
+    fused.conv.padding = (3, 3)
+    fused.backend = "triton"
+    with pytest.raises(RuntimeError, match="32 taps"):
+        fused(x)
+
+
+@pytest.mark.parametrize("shortcut", ["stride-2x1", "bias", "3x3"])
+def test_projection_the_kernels_cannot_fuse_runs_eagerly(shortcut):
+    """The chains fuse a bias-free 1×1 projection with one stride; any other shortcut conv (a tuple
+    stride, a bias, a larger kernel) runs the block eagerly, with the reason."""
+    stride = (2, 1) if shortcut == "stride-2x1" else 2
+    torch.manual_seed(0)
+    fused = FusedPreActBlock(4, 6, stride=stride, backend="auto").to(DEVICE)
+    eager = PreActBlock(4, 6, stride=stride).to(DEVICE)
+    if shortcut != "stride-2x1":
+        fused.shortcut = nn.Conv2d(4, 6, 1 if shortcut == "bias" else 3, stride=2, padding=0 if shortcut == "bias" else 1,
+                                   bias=shortcut == "bias").to(DEVICE)
+        eager.shortcut = copy.deepcopy(fused.shortcut)
+    eager.load_state_dict(fused.state_dict())
+    x = _x(2, 4, 6, 6)
+    _, gxf, gpf = _grads(fused, x, lambda m, xg: m(xg).square().sum())
+    _, gxe, gpe = _grads(eager, x, lambda m, xg: m(xg).square().sum())
+    assert fused.last_backend == "reference" and "projection shortcut with" in fused.fallback_reason
+    assert_close(gxf, gxe, torch.float32, "dx")
+    for a, b in zip(gpf, gpe):
+        assert_close(a, b, torch.float32, "param grad")
+
+
+def test_convert_keeps_a_3x3_shortcut_out_of_the_fused_chain():
+    """A block whose shortcut is a 3×3 conv (conv1 unpadded too, so the shapes agree): convert() runs
+    the shortcut as its own module instead of as the chain's 1×1 projection."""
+    import fused_preact
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn1, self.conv1 = nn.BatchNorm2d(4), nn.Conv2d(4, 6, 3, 1, 0, bias=False)
+            self.bn2, self.conv2 = nn.BatchNorm2d(6), nn.Conv2d(6, 6, 3, 1, 1, bias=False)
+            self.shortcut = nn.Conv2d(4, 6, 3, 1, 0, bias=False)
+
+        def forward(self, x):
+            out = F.relu(self.bn1(x))
+            return self.conv2(F.relu(self.bn2(self.conv1(out)))) + self.shortcut(out)
+
+    torch.manual_seed(0)
+    block = Block().to(DEVICE)
+    converted = fused_preact.convert(copy.deepcopy(block))
+    assert converted.shortcut_mode != "proj_fused"
+    x = _x(2, 4, 8, 8, requires_grad=False)
+    assert_close(converted(x), block(x), torch.float32, "output")
+    assert converted.last_backend == "triton"
+
+
+def test_conv_bias_of_the_wrong_size_raises_as_eager():
+    x = _x(2, 4, 5, 5, requires_grad=False)
+    w = torch.randn(6, 4, 3, 3, device=DEVICE)
+    for b in (torch.randn(5, device=DEVICE), torch.randn(6, 1, device=DEVICE)):
+        with pytest.raises(RuntimeError) as eager_err:
+            F.conv2d(x, w, b)
+        with pytest.raises(RuntimeError, match=re.escape(str(eager_err.value))):
+            bn_relu_conv2d(x, w, b, training=True, padding=1)
+
+
+@pytest.mark.parametrize("case", ["valid", "same", "same-dilated", "stride-1-list"])
+def test_functional_geometry_arguments_as_f_conv2d(case):
+    x = _x(2, 4, 6, 6, requires_grad=False)
+    w = torch.randn(6, 4, 3, 3, device=DEVICE)
+    geo = {"valid": dict(padding="valid"), "same": dict(padding="same"),
+           "same-dilated": dict(padding="same", dilation=2), "stride-1-list": dict(stride=[2], padding=[1])}[case]
+    ref = F.conv2d(F.relu(F.batch_norm(x, None, None, training=True)), w, **geo)
+    assert_close(bn_relu_conv2d(x, w, None, training=True, **geo), ref, torch.float32, case)
+
+
+@pytest.mark.parametrize("case", ["same-strided", "same-asymmetric", "no-filters", "3d-weight"])
+def test_functional_geometry_errors(case):
+    x = _x(2, 4, 6, 6, requires_grad=False)
+    w, geo = {"same-strided": (torch.randn(6, 4, 3, 3), dict(padding="same", stride=2)),
+              "same-asymmetric": (torch.randn(6, 4, 4, 4), dict(padding="same")),
+              "no-filters": (torch.randn(0, 4, 3, 3), dict(padding=1)),
+              "3d-weight": (torch.randn(6, 4, 3), dict(padding=1))}[case]
+    w = w.to(DEVICE)
+    with pytest.raises(RuntimeError) as err:
+        bn_relu_conv2d(x, w, None, training=True, **geo)
+    if case in ("same-strided", "no-filters"):  # eager's own message
+        with pytest.raises(RuntimeError, match=re.escape(str(err.value))):
+            F.conv2d(x, w, **geo)
+
+
+@pytest.mark.parametrize("shape", [(8, 4, 3, 3), (6, 4, 1, 1), (6, 4, 5, 5)], ids=["K8", "1x1", "5x5"])
+def test_replaced_conv_weight_defines_the_conv(shape):
+    """``nn.Conv2d.forward`` reads channels and kernel from the weight (a pruned or replaced weight),
+    not from the module's ``out_channels``/``kernel_size``."""
+    fused, eager = _twins()
+    x = _x(2, 4, 6, 6, requires_grad=False)
+    fused(x)  # a plan for the original weight first
+    w = nn.Parameter(torch.randn(shape, device=DEVICE))
+    fused.conv.weight = w
+    eager[2].weight = w
+    assert_close(fused(x), eager(x), torch.float32, "output")
+    assert fused.last_backend == "triton"
 
 
 # ------------------------------------------------------------------------------------- meta tensors

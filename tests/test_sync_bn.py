@@ -165,6 +165,36 @@ def test_sync_bn_two_processes_equals_one_big_batch(precision, tmp_path):
                     assert int(r0["state"][name]) == int(b) == step + 1, f"{what}: {name}"
 
 
+def _untracked_worker(rank: int, world: int, port: int, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fused, _ = _build("unit")
+        fused = convert_sync_batchnorm(fused).to(DEVICE)
+        fused.bn.track_running_stats = False  # the buffers stay, and must not move
+        fused.bn.momentum = None
+        xl = _data(1)[0][:SPLITS[rank]].to(DEVICE)
+        y = fused(xl)
+        torch.save(dict(y=y.detach().cpu(), state={k: v.cpu() for k, v in fused.state_dict().items()}),
+                   f"{out_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sync_bn_without_tracking_leaves_its_buffers(tmp_path):
+    """``track_running_stats=False`` set on a SyncBatchNorm that keeps its buffers (with
+    ``momentum=None``): nn.SyncBatchNorm normalizes with the synchronized batch statistics and leaves
+    running_mean, running_var and num_batches_tracked alone (the fused path updated them, and divided
+    by a zero count for momentum=None)."""
+    port = _free_port()
+    mp.spawn(_untracked_worker, args=(2, port, str(tmp_path / "res")), nprocs=2, join=True)
+    for r in range(2):
+        state = torch.load(tmp_path / f"res.{r}")["state"]
+        assert torch.equal(state["bn.running_mean"], torch.zeros(8))
+        assert torch.equal(state["bn.running_var"], torch.ones(8))
+        assert int(state["bn.num_batches_tracked"]) == 0
+
+
 def test_sync_bn_without_process_group_is_plain_bn():
     """A SyncBatchNorm child outside torch.distributed behaves as BatchNorm2d (nn.SyncBatchNorm's rule)."""
     fused, eager = _build("unit")

@@ -23,7 +23,7 @@ are not looked at). Everything not converted is listed with its reason in the
 :class:`ConversionReport`.
 
 What the converted block computes
-    Exactly the original's forward (checked numerically, see ``verify``). A block's shortcut is
+    The original's forward, as far as a numeric probe can tell (see ``verify``). A block's shortcut is
     read in one of five ways; the first that reproduces the block is used:
 
     ``identity on raw x``              ``x + F(x)`` (timm, the paper, kuangliu).
@@ -47,14 +47,21 @@ Verification (``verify=True``, the default)
     parameters and buffers re-drawn at random (so zero-initialized last convs cannot hide a
     difference), and a converted copy of it running ``backend="reference"`` are run in float64 on
     two random (2, C, S, S) images (S = 4 unless the convs need more), in eval mode and then in
-    training mode, with the same RNG seed (so ``DropPath`` draws the same mask). Outputs, input
-    gradients, parameter gradients and buffers must agree to 1e-6 (relative, max-norm). The probe
+    training mode, then in training mode on 5 images scaled by 8 (a forward that depends on the batch
+    or the scale — ghost batches, a clamp — differs there), with the same RNG seed (so ``DropPath``
+    draws the same mask). Outputs, input gradients, parameter gradients and buffers must agree to
+    1e-6 (relative, max-norm), and each forward must leave the generators in the same state (a
+    block that draws random numbers in its forward, e.g. stochastic depth written inline, is not
+    converted). What the probe cannot see — a branch taken only on other inputs — it cannot
+    refuse. After conversion, a BN or conv child swapped for another class, or a hook added to one
+    of the fused children (a BatchNormAct2d's ``act``/``drop`` included), makes the fused module
+    run its children eagerly, with the reason. The probe
     runs on the block's own device (where its parameters and buffers are; a block spread over
     several devices is not converted) and allocates nothing elsewhere; it seeds only the CPU
     generator and that device's generator and restores both, so the global RNG state, and the
     model's device, dtype, ``training`` flags, parameters and buffers, are as they were before
     ``convert``. Probe results are reused for modules with the same class, ``repr``, plain
-    attributes and devices (the repeated blocks of a stage), so a ResNet-152 costs about a dozen
+    attributes (private ones of plain types too) and devices (the repeated blocks of a stage), so a ResNet-152 costs about a dozen
     probes, each two deep copies of one block.
 
 Source semantics copied: timm 1.0 ``timm/models/resnetv2.py`` (``PreActBasic``,

@@ -85,11 +85,16 @@ class ConvertedPreActBlock(FusedModuleBase):
         steps = [(mods[n], mods[c]) for n, c in self.steps]
         mode = self.shortcut_mode
         dp = mods.get(self.drop_path_name) if self.drop_path_name is not None else None
-        drop = _drop_path_active(dp)
+        # A module the fused reading would not call runs when hooks were added to it after conversion:
+        # a drop path that changes nothing, an identity shortcut, the containers around the projection.
+        drop = _drop_path_active(dp) or _hook_problem("", dp) is not None
+        hooked_sc = self.shortcut_name is not None and _hook_problem("", mods.get(self.shortcut_name)) is not None
+        if mode == "proj_fused" and any(_hook_problem("", m) for m in self._proj_containers()):
+            mode = "module_preact"  # the shortcut module on the materialized pre-activation: the same value
         if mode in ("module_preact", "identity_preact"):
             a = _preact(steps[0][0], x)
             h = steps[0][1](a)
-            sc = a if mode == "identity_preact" else self._shortcut()(a)
+            sc = a if mode == "identity_preact" and not hooked_sc else self._shortcut()(a)
             if drop:
                 return dp(run_units(self, h, steps[1:])[0]) + sc
             return run_units(self, h, steps[1:], residual=sc)[0]
@@ -101,10 +106,19 @@ class ConvertedPreActBlock(FusedModuleBase):
                 out, sc, _ = run_units(self, x, steps, proj=proj, proj_out="return")
                 return dp(out) + sc
             return run_units(self, x, steps, proj=proj)[0]
-        sc = x if mode == "identity_raw" else self._shortcut()(x)
+        identity = mode == "identity_raw" and not hooked_sc
+        sc = x if identity else self._shortcut()(x)
         if drop:
             return dp(run_units(self, x, steps)[0]) + sc
-        return run_units(self, x, steps, residual="input" if mode == "identity_raw" else sc)[0]
+        return run_units(self, x, steps, residual="input" if identity else sc)[0]
+
+    def _proj_containers(self) -> list[nn.Module]:
+        """The modules around the fused projection conv on its path (e.g. a ``Sequential(conv)``)."""
+        mods, m = [], self._modules[self.proj_path[0]]
+        for part in self.proj_path[1:]:
+            mods.append(m)
+            m = m._modules[part]
+        return mods
 
 
 def _drop_path_active(dp: Optional[nn.Module]) -> bool:

@@ -8,6 +8,8 @@ from typing import Optional, Union
 
 import torch.nn as nn
 
+from fused_preact.ops.spec import projection_problem
+
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 #: block layouts: (norm names, conv names, shortcut name, drop-path name, norm kind)
@@ -93,7 +95,7 @@ def _proj_conv_path(block: nn.Module, name: str) -> Optional[tuple[str, ...]]:
         mod = mod._modules[part]
         if _hook_problem("", mod):
             return None
-    return path if _conv_problem("", mod) is None else None
+    return path if _conv_problem("", mod) is None and projection_problem(mod) is None else None
 
 
 def _match_block(block: nn.Module) -> Union[None, str, _BlockSpec]:

@@ -77,6 +77,7 @@ def _rng_preserved(device: torch.device) -> Iterator[Callable[[int], None]]:
         for g in gens:
             g.manual_seed(n)
 
+    seed.states = lambda: [g.get_state() for g in gens]  # what the draws since the last seed left
     try:
         yield seed
     finally:
@@ -107,8 +108,10 @@ def _probe(original: nn.Module, build: Callable[[nn.Module], nn.Module], channel
     Everything runs on ``original``'s own device (its parameters' and buffers'), on deep copies in
     float64 (1e-6 is meaningful there; a wrong shortcut reading differs by O(1)); the CPU generator
     and that device's generator are seeded for the probe and restored afterwards, and no other
-    device is touched. Returns ``None`` when outputs, gradients and buffers agree in eval and
-    training mode, else a short reason. Nothing of ``original`` is modified.
+    device is touched. Returns ``None`` when outputs, gradients, buffers and the random numbers drawn
+    agree in eval and training mode (and in training on a batch of 5 scaled by 8), else a short
+    reason. Nothing of ``original`` is modified. A probe sees only these inputs: a forward whose
+    behaviour changes elsewhere (a branch on other values) can still pass.
     """
     try:
         device = _probe_device(original)
@@ -118,20 +121,25 @@ def _probe(original: nn.Module, build: Callable[[nn.Module], nn.Module], channel
             _randomize_(ref)
             ref = ref.double()
             cand = build(copy.deepcopy(ref))
-            for train in (False, True):
+            # eval, training, and training on a batch of another size and scale (a forward that depends
+            # on them — ghost batches, a clamp — differs there)
+            for train, batch, scale in ((False, 2, 1.0), (True, 2, 1.0), (True, 5, 8.0)):
                 ref.train(train)
                 cand.train(train)
-                x = torch.randn(2, channels, size, size, dtype=torch.float64, device=device) + 0.3
-                outs, grads = [], []
+                x = torch.randn(batch, channels, size, size, dtype=torch.float64, device=device) * scale + 0.3
+                outs, grads, draws = [], [], []
                 for m in (ref, cand):
                     xi = x.clone().requires_grad_()
                     _seed(1)
                     y = m(xi)
+                    draws.append(_seed.states())
                     _seed(2)
                     y.backward(torch.randn_like(y))
                     outs.append(y.detach())
                     grads.append(xi.grad)
-                mode = "training" if train else "eval"
+                mode = ("training" if train else "eval") + (f" (batch {batch}, scale {scale:g})" if batch != 2 else "")
+                if not all(torch.equal(a, b) for a, b in zip(*draws)):
+                    return f"{mode}-mode forward draws other random numbers (randomness in its forward)"
                 if _rel(outs[1], outs[0]) > _PROBE_TOL:
                     return f"{mode}-mode output differs (rel. error {_rel(outs[1], outs[0]):.1e})"
                 if _rel(grads[1], grads[0]) > _PROBE_TOL:
@@ -151,13 +159,21 @@ def _probe(original: nn.Module, build: Callable[[nn.Module], nn.Module], channel
 # block recognition
 
 
+def _plain(v) -> bool:
+    if isinstance(v, (tuple, list)):
+        return all(_plain(e) for e in v)
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
 def _signature(module: nn.Module) -> str:
     """What a probe of ``module`` depends on besides parameter values: its class, its tree (``repr``
-    lists every child with its hyperparameters) and the public plain attributes of every submodule."""
+    lists every child with its hyperparameters), the public attributes of every submodule and its
+    private ones of plain types (numbers, strings, None and tuples/lists of them: a ``self._scale``
+    that the forward reads)."""
     attrs = [
         (name, type(m).__qualname__, k, repr(v))
         for name, m in module.named_modules()
         for k, v in sorted(vars(m).items())
-        if not k.startswith("_") and k != "training"
+        if k != "training" and (not k.startswith("_") or _plain(v))
     ]
     return f"{type(module).__module__}.{type(module).__qualname__}|{module!r}|{attrs}"

@@ -59,11 +59,15 @@ def pair(v: IntOr2, name: str) -> tuple[int, int]:
     """``F.conv2d``-style int-or-pair argument as a pair of ints.
 
     Raises:
-        ValueError: ``v`` is a sequence whose length is not 2.
+        ValueError: ``v`` is a string, or a sequence whose length is not 1 or 2.
     """
     if isinstance(v, int):
         return (v, v)
+    if isinstance(v, str):
+        raise ValueError(f"fused_preact: expected {name} to be an int or a pair of ints, got {v!r}")
     v = tuple(int(i) for i in v)
+    if len(v) == 1:  # F.conv2d expands a one-element list
+        return (v[0], v[0])
     if len(v) != 2:
         raise ValueError(f"fused_preact: expected {name} to be an int or a pair of ints, got {list(v)}")
     return v

@@ -58,7 +58,8 @@ def bn_relu_conv2d(
         weight: (K, C/groups, R, S) conv weight; bias: (K,) or None.
         running_mean, running_var, bn_weight, bn_bias, training, momentum, eps: as ``F.batch_norm``
             (running buffers are updated in place in training; ``momentum`` is the average factor).
-        stride, padding, dilation, groups: as ``F.conv2d`` (padding as int or pair of ints).
+        stride, padding, dilation, groups: as ``F.conv2d`` (ints, pairs or one-element lists;
+            ``padding="valid"``/``"same"`` too, ``"same"`` where it pads both sides alike).
         backend: ``"auto"`` (measured and validated per signature on CUDA, :mod:`fused_preact.ops.auto`;
             elsewhere the first of ``fused_preact.ops.backends.PRIORITY`` that can serve x), ``"triton"``,
             ``"cuda"`` (CUDA extension, opt-in), ``"recompute"`` (cuDNN convolutions, BN+ReLU recomputed)
@@ -72,8 +73,11 @@ def bn_relu_conv2d(
             ``running_mean``/``running_var``; PyTorch's input errors.
         ValueError: training with one value per channel, with only one of the running buffers, or with
             ``eps <= 0``; unknown backend name; bad geometry.
+        TypeError: ``momentum`` not a number (``F.batch_norm`` takes no ``None`` there).
     """
     # F.batch_norm's own argument checks, in its order and with its messages.
+    if not isinstance(momentum, (int, float)):
+        raise TypeError(f"batch_norm(): argument 'momentum' (position 7) must be float, not {type(momentum).__name__}")
     if training and (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must either both be None or neither be None")
     if not training:

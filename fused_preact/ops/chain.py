@@ -60,8 +60,8 @@ def _preact_reference(x: torch.Tensor, t: ChainTensors, i: int, mode: BNMode) ->
         return F.relu(a).to(x.dtype)
     if mode.update and t.num_batches[i] is not None:
         t.num_batches[i].add_(1)
-    if mode.cumulative:
-        momentum = 1.0 / float(t.num_batches[i]) if mode.update else 0.0
+    if mode.cumulative:  # nn.BatchNorm2d: 1/num_batches_tracked when it is counted, else 0
+        momentum = 1.0 / float(t.num_batches[i]) if mode.update and t.num_batches[i] is not None else 0.0
     else:
         momentum = t.momenta[i]
     keep = mode.kind == BATCH and not mode.update
@@ -131,7 +131,8 @@ class ChainFunction(torch.autograd.Function):
     catch an in-place change between forward and backward. A backward with ``create_graph=True``
     (double backward, e.g. a gradient penalty) recomputes the chain with the differentiable reference
     ops from the saved inputs and differentiates that, so second-order gradients are those of eager
-    PyTorch; a plain backward runs the plan's fused kernels.
+    PyTorch (it also reads the conv biases and β, whose versions it checks: a change in place since the
+    forward raises autograd's error); a plain backward runs the plan's fused kernels.
     """
 
     @staticmethod
@@ -148,8 +149,11 @@ class ChainFunction(torch.autograd.Function):
         ctx.save_for_backward(*saved.inputs, *saved.aux, *t.weights, t.proj_weight,
                               *[t.gammas[i] for i in ctx.gamma_slots],
                               *[v for i in running for v in (t.running_means[i], t.running_vars[i])])
-        # For a double backward only (not version-checked, as eager does not check them either).
+        # For a double backward only: the recomputed chain reads the conv biases and β as they are then,
+        # so their versions are checked there (eager's double backward uses saved activations instead).
         ctx.biases, ctx.betas, ctx.residual = t.biases, t.betas, t.residual
+        ctx.versions = [v._version if v is not None else 0 for v in (*t.biases, *t.betas)]
+        ctx.input_strides = [v.stride() for v in saved.inputs]  # what the plan's kernels will address
         ctx.ext = (t.ext_mean, t.ext_invstd)
         ctx.eps = list(t.eps)
         ctx.set_materialize_grads(False)
@@ -176,9 +180,13 @@ class ChainFunction(torch.autograd.Function):
             dy = saved.inputs[0].new_zeros(plan.out_shape, dtype=plan.out_dtype)
         if ctx.has_proj_out and dy_proj is None:
             dy_proj = saved.inputs[0].new_zeros(plan.proj_shape, dtype=plan.cdtype)
-        if torch.is_grad_enabled():  # create_graph=True: second-order gradients through the reference
+        # create_graph=True: second-order gradients through the reference. A saved input that a
+        # saved-tensors hook handed back in another layout (save_on_cpu(pin_memory=True) unpacks NCHW)
+        # cannot be read with the plan's strides: the reference differentiates it as it is.
+        relaid = [v.stride() for v in saved.inputs] != ctx.input_strides
+        if torch.is_grad_enabled() or relaid:
             return (None, None, *_differentiable_backward(ctx, saved.inputs[0], weights, proj_w, tensors[k + n + 1:],
-                                                          dy, dy_proj))
+                                                          dy, dy_proj, create_graph=torch.is_grad_enabled()))
         needs, need_res, _ = _slot_needs(ctx.needs_input_grad, n, ctx.bn_dtypes)
         g = plan.backward(dy, dy_proj, saved, weights, proj_w, needs)
         flat = [v for i in range(n) for v in (g.weights[i], g.biases[i], g.gammas[i], g.betas[i])]
@@ -187,11 +195,18 @@ class ChainFunction(torch.autograd.Function):
         return (None, None, g.dx, *flat)
 
 
-def _differentiable_backward(ctx, x, weights, proj_w, extra, dy, dy_proj) -> list:
+def _differentiable_backward(ctx, x, weights, proj_w, extra, dy, dy_proj, create_graph: bool = True) -> list:
     """Gradients of x and of every slot, as a differentiable graph: the chain recomputed with
     :func:`reference_chain` (batch statistics recomputed, running statistics not updated again) from
-    the saved inputs, then ``torch.autograd.grad(..., create_graph=True)``."""
+    the saved inputs, then ``torch.autograd.grad(..., create_graph=True)``. Raises RuntimeError (autograd's
+    message for a saved tensor) when a conv bias or β it reads changed in place since the forward."""
     plan, n = ctx.plan, ctx.n_units
+    for v, seen in zip((*ctx.biases, *ctx.betas), ctx.versions):
+        if v is not None and v._version != seen:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{v.type()} {list(v.shape)}] is at version {v._version}; expected version {seen} instead "
+                "(fused_preact: a double backward recomputes the chain from the conv biases and BatchNorm β)")
     gammas: list = [None] * n
     for j, i in enumerate(ctx.gamma_slots):
         gammas[i] = extra[j]
@@ -202,6 +217,9 @@ def _differentiable_backward(ctx, x, weights, proj_w, extra, dy, dy_proj) -> lis
     t = ChainTensors(weights, list(ctx.biases), gammas, list(ctx.betas), rms, rvs, [None] * n, [0.0] * n, ctx.eps,
                      proj_w, ctx.residual, *ctx.ext)
     modes = tuple(dataclasses.replace(m, update=False) for m in plan.modes)
+    if not create_graph:  # plain gradients, of fresh leaves (a hook's unpacked tensors need not require grad)
+        x = x.detach().requires_grad_(x.is_floating_point())
+        t = _with_slots(t, [v.detach().requires_grad_() if v is not None else None for v in differentiable_slots(t)])
     slots = [x] + differentiable_slots(t)
     wanted = [j for j, v in enumerate(slots) if v is not None and ctx.needs_input_grad[2 + j]]
     with torch.enable_grad():
@@ -210,7 +228,7 @@ def _differentiable_backward(ctx, x, weights, proj_w, extra, dy, dy_proj) -> lis
     if dy_proj is not None:
         outs.append(res.proj_out)
         gouts.append(dy_proj)
-    got = torch.autograd.grad(outs, [slots[j] for j in wanted], gouts, create_graph=True, allow_unused=True)
+    got = torch.autograd.grad(outs, [slots[j] for j in wanted], gouts, create_graph=create_graph, allow_unused=True)
     grads: list = [None] * len(slots)
     for j, v in zip(wanted, got):
         grads[j] = v if v is not None else torch.zeros_like(slots[j])

@@ -244,7 +244,7 @@ def _update_running(mean: torch.Tensor, var: torch.Tensor, t: ChainTensors, i: i
         nbt = t.num_batches[i]
         if nbt is not None:
             nbt.add_(1)
-        f = (1.0 / nbt) if m.cumulative else t.momenta[i]
+        f = t.momenta[i] if not m.cumulative else (1.0 / nbt if nbt is not None else 0.0)
         rm, rv = t.running_means[i], t.running_vars[i]
         rm.copy_(f * mean + (1 - f) * rm)
         rv.copy_(f * var * (count / max(count - 1, 1)) + (1 - f) * rv)

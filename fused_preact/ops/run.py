@@ -9,11 +9,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 from fused_preact.ops import auto as _auto
 from fused_preact.ops import library
-from fused_preact.ops._common import compute_dtype
+from fused_preact.ops._common import autocast_enabled, compute_dtype
 from fused_preact.ops.backends import BackendChoice, PlanCache, ReferenceBackend, select_backend
 from fused_preact.ops.chain import ChainFunction, ChainResult, differentiable_slots, reference_chain
 from fused_preact.ops.spec import (
@@ -36,13 +37,15 @@ def _sig(v) -> Optional[tuple]:
 
 def _signature(requested: str, spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes, cd, out_stats) -> tuple:
     """Everything a cached decision, validation and plan derive from: the chain, the BN modes and eps,
-    the layout, dtype and device of x and of every tensor of the call, the compute dtype."""
+    the layout, dtype and device of x and of every tensor of the call, the compute dtype and whether
+    autocast is on (it decides which dtype mixes validation accepts)."""
     per_unit = tuple((_sig(t.weights[i]), _sig(t.biases[i]), _sig(t.gammas[i]), _sig(t.betas[i]),
                       _sig(t.running_means[i]), _sig(t.running_vars[i]), _sig(t.num_batches[i]), t.eps[i])
                      for i in range(len(t.weights)))
     extra = (_sig(t.proj_weight), _sig(t.residual), _sig(t.ext_mean), _sig(t.ext_invstd),
              None if t.in_stats is None else _sig(t.in_stats.part))
-    return (requested, spec, modes, x.shape, x.stride(), x.dtype, x.device, cd, out_stats, per_unit, extra)
+    return (requested, spec, modes, x.shape, x.stride(), x.dtype, x.device, cd, autocast_enabled(x.device.type),
+            out_stats, per_unit, extra)
 
 
 def _check_like_eager(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BNMode, ...],
@@ -61,9 +64,19 @@ def _check_like_eager(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: 
             src = torch.zeros(1, C, 1, 1, device=x.device, dtype=x.dtype if i == 0 else cd)
         rm, rv = t.running_means[i], t.running_vars[i]
         training = mode.kind == BATCH
-        F.batch_norm(src.expand(2, C, 1, 1), rm.clone() if rm is not None else None,
-                     rv.clone() if rv is not None else None, t.gammas[i], t.betas[i], training,
-                     0.0 if t.momenta[i] is None else t.momenta[i], t.eps[i])
+        with torch.no_grad():  # no graph: nothing saved for backward (a checkpoint counts saved tensors)
+            F.batch_norm(src.expand(2, C, 1, 1), rm.clone() if rm is not None else None,
+                         rv.clone() if rv is not None else None, t.gammas[i], t.betas[i], training,
+                         0.0 if t.momenta[i] is None else t.momenta[i], t.eps[i])
+
+
+def _has_tangents(x: torch.Tensor, t: ChainTensors) -> bool:
+    """Whether forward-mode AD is on (a ``forward_ad.dual_level``) and x or a tensor of the chain is
+    a dual tensor; the fused kernels would read only its primal."""
+    if fwAD._current_level < 0:
+        return False
+    tensors = [x, *differentiable_slots(t), t.residual]
+    return any(v is not None and fwAD.unpack_dual(v).tangent is not None for v in tensors)
 
 
 def _vector_reasons(t: ChainTensors) -> list[str]:
@@ -131,6 +144,10 @@ def run_chain(requested: str, cache: PlanCache, spec: ChainSpec, x: torch.Tensor
         if not torch.compiler.is_compiling():  # a traced call leaves no Python state behind (Dynamo
             cache[key] = entry                 # would have to rebuild the frozen spec in the key)
     choice, plan = entry
+    if plan is not None and _has_tangents(x, t):
+        choice = BackendChoice(ReferenceBackend, choice.skipped + (
+            "forward-mode AD (dual tensors): the fused kernels have no JVP; plain PyTorch ops",))
+        plan = None
     if plan is None:
         return reference_chain(spec, x, t, modes), choice
     if torch.compiler.is_compiling():

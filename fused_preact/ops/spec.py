@@ -47,17 +47,42 @@ class ConvGeom:
 
     @classmethod
     def of(cls, conv: nn.Conv2d) -> "ConvGeom":
-        """The geometry of an ``nn.Conv2d`` (string padding is not accepted: callers check first)."""
-        return cls(conv.in_channels, conv.out_channels, tuple(conv.kernel_size), tuple(conv.stride),
+        """The geometry ``nn.Conv2d.forward`` uses: channels and kernel from the weight's shape (a replaced
+        or pruned weight defines the conv, as ``F.conv2d`` reads it), stride, padding, dilation and groups
+        from the module (string padding is not accepted: callers check first)."""
+        w = conv.weight
+        if w.dim() != 4:  # refused with a clear error by the input checks
+            return cls(conv.in_channels, conv.out_channels, tuple(conv.kernel_size), tuple(conv.stride),
+                       tuple(conv.padding), tuple(conv.dilation), conv.groups, conv.bias is not None)
+        return cls(w.shape[1] * conv.groups, w.shape[0], (w.shape[2], w.shape[3]), tuple(conv.stride),
                    tuple(conv.padding), tuple(conv.dilation), conv.groups, conv.bias is not None)
 
     @classmethod
     def from_args(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], stride, padding, dilation,
                   groups: int) -> "ConvGeom":
-        """The geometry of an ``F.conv2d(x, weight, bias, stride, padding, dilation, groups)`` call."""
-        return cls(weight.shape[1] * groups, weight.shape[0], (weight.shape[2], weight.shape[3]),
-                   pair(stride, "stride"), pair(padding, "padding"), pair(dilation, "dilation"), groups,
-                   bias is not None)
+        """The geometry of an ``F.conv2d(x, weight, bias, stride, padding, dilation, groups)`` call;
+        ``padding="valid"``/``"same"`` as ``F.conv2d`` takes them.
+
+        Raises:
+            RuntimeError: a weight that is not 4-D; ``"same"`` with a stride (``F.conv2d``'s error) or
+                with an odd total padding (eager pads one side more; the kernels pad symmetrically).
+        """
+        if weight.dim() != 4:
+            raise RuntimeError(f"fused_preact: expected a 4D conv weight (K, C/groups, R, S), got shape "
+                               f"{list(weight.shape)}")
+        kernel, stride, dilation = (weight.shape[2], weight.shape[3]), pair(stride, "stride"), pair(dilation, "dilation")
+        if padding == "valid":
+            padding = (0, 0)
+        elif padding == "same":
+            if stride != (1, 1):
+                raise RuntimeError("padding='same' is not supported for strided convolutions")
+            total = [d * (k - 1) for d, k in zip(dilation, kernel)]
+            if total[0] % 2 or total[1] % 2:
+                raise RuntimeError(f"fused_preact: padding='same' for kernel {list(kernel)} and dilation "
+                                   f"{list(dilation)} pads one side more (give explicit ints, or use F.conv2d)")
+            padding = (total[0] // 2, total[1] // 2)
+        return cls(weight.shape[1] * groups, weight.shape[0], kernel, stride, pair(padding, "padding"), dilation,
+                   groups, bias is not None)
 
     def out_hw(self, h: int, w: int) -> tuple[int, int]:
         return (conv_out_size(h, self.kernel[0], self.stride[0], self.padding[0], self.dilation[0]),
@@ -224,7 +249,8 @@ def validate_chain(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tup
     exception types (those of ``F.batch_norm`` and ``F.conv2d``).
 
     Raises:
-        ValueError: x not 4-D; training with one value per channel; malformed geometry.
+        ValueError: x not 4-D; training with one value per channel; ``eps`` ≤ 0 in training or < 0 in
+            eval; malformed geometry.
         RuntimeError: non-floating x; channel mismatch; groups not dividing channels; tensors on other
             devices; dtype mismatch outside autocast; output size ≤ 0; residual of the wrong shape.
     """
@@ -245,6 +271,10 @@ def validate_chain(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tup
                                    f"conv {i} has {vec.numel()} features, its input {c} channels)")
         if modes[i].kind == BATCH and n * h * wd == 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(shape)}")
+        if modes[i].kind == BATCH and not t.eps[i] > 0:
+            raise ValueError(f"batch_norm eps must be positive during training, but got {t.eps[i]}")
+        if modes[i].kind == RUNNING and t.eps[i] < 0:
+            raise ValueError(f"batch_norm eps must be non-negative, but got {t.eps[i]}")
         _check_conv(x, g, w, b, c, h, wd, shape, autocast)
         shape = (n, g.out_channels, *g.out_hw(h, wd))
         shapes.append(shape)
@@ -266,6 +296,23 @@ def validate_chain(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tup
                                f"{x.device} and {r.device}! (residual)")
 
 
+def projection_problem(conv: nn.Conv2d) -> Optional[str]:
+    """Why ``conv`` cannot be a chain's projection shortcut (:attr:`ChainSpec.proj`: the kernels read tap
+    (0, 0) of a bias-free, unpadded, groups=1 conv with one stride for both axes), or None."""
+    kernel = tuple(conv.weight.shape[2:]) if conv.weight.dim() == 4 else tuple(conv.kernel_size)
+    problems = [what for what, bad in (
+        (f"kernel {list(kernel)}", kernel != (1, 1)),
+        (f"padding {conv.padding!r}", isinstance(conv.padding, str) or tuple(conv.padding) != (0, 0)),
+        (f"groups={conv.groups}", conv.groups != 1),
+        ("a bias", conv.bias is not None),
+        (f"stride {list(conv.stride)}", conv.stride[0] != conv.stride[1]),
+        (f"padding_mode={conv.padding_mode!r}", conv.padding_mode != "zeros")) if bad]
+    if not problems:
+        return None
+    return (f"projection shortcut with {', '.join(problems)} (the fused chains take a bias-free 1×1, groups=1, "
+            "unpadded one with equal strides)")
+
+
 def _check_conv(x, g: ConvGeom, weight, bias, C, H, W, in_shape, autocast: bool) -> None:
     for name, t in (("weight", weight), ("bias", bias)):
         if t is None:
@@ -277,6 +324,12 @@ def _check_conv(x, g: ConvGeom, weight, bias, C, H, W, in_shape, autocast: bool)
             raise RuntimeError(f"Input type ({x.dtype}) and {name} type ({t.dtype}) should be the same")
     if weight.dim() != 4:
         raise RuntimeError(f"fused_preact: expected a 4D conv weight (K, C/groups, R, S), got shape {list(weight.shape)}")
+    if weight.shape[0] < 1:
+        raise RuntimeError(f"Given groups={g.groups}, expected weight to be at least 1 at dimension 0, but got weight "
+                           f"of size {list(weight.shape)} instead")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise RuntimeError(f"Given weight of size {list(weight.shape)}, expected bias to be 1-dimensional with "
+                           f"{weight.shape[0]} elements, but got bias of size {list(bias.shape)} instead")
     groups = g.groups
     if groups < 1 or C % groups or weight.shape[0] % groups or weight.shape[1] * groups != C:
         raise RuntimeError(
