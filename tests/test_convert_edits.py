@@ -1,0 +1,149 @@
+"""fused_preact.convert against blocks that only look convertible, and converted models edited later:
+a forward that draws random numbers or depends on the batch, a private attribute the forward reads,
+children swapped or hooked after conversion (each found by a hostile test run).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from helpers import assert_close
+from test_convert import CifarPreActBlock, _fused_modules, _reasons
+
+from fused_preact.conversion import FusedSequential, convert
+
+
+class StochasticDepthBlock(CifarPreActBlock):
+    """Skips itself at random in training, written into its forward (no drop-path module)."""
+
+    def forward(self, x):
+        if self.training and torch.rand(1).item() < 0.5:
+            return x
+        return super().forward(x)
+
+
+class GhostBNBlock(CifarPreActBlock):
+    """bn1 over virtual batches of 2 images: plain BatchNorm at a batch of 2, not at 5."""
+
+    def forward(self, x):
+        out = F.relu(torch.cat([self.bn1(c) for c in x.split(2)]))
+        return self.conv2(F.relu(self.bn2(self.conv1(out)))) + x
+
+
+class ScaledResidualBlock(CifarPreActBlock):
+    """out = x + s·branch with a private ``_res_scale`` the forward reads."""
+
+    def __init__(self, planes, scale):
+        super().__init__(planes, planes)
+        self._res_scale = scale
+
+    def forward(self, x):
+        out = self.conv2(F.relu(self.bn2(self.conv1(F.relu(self.bn1(x))))))
+        return x + self._res_scale * out
+
+
+@pytest.mark.parametrize("block,match", [(StochasticDepthBlock, "random numbers"), (GhostBNBlock, "batch 5")],
+                         ids=["stochastic-depth", "ghost-bn"])
+def test_probe_refuses_a_forward_that_depends_on_randomness_or_batch(block, match):
+    """The probe compares the random numbers each forward draws, and runs a training batch of 5 scaled
+    by 8 besides the batch of 2: a block that skips itself at random, or normalizes in virtual batches
+    of 2, is left alone (both passed a probe of one batch of 2 under one seed)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(block(4, 4))
+    _, report = convert(model, report=True)
+    assert not report.replaced and not _fused_modules(model)
+    assert any(match in s.reason for s in report.skipped), _reasons(report)
+
+
+def test_probe_verdict_keyed_on_private_attributes():
+    """Two blocks of one class differing only in a private attribute the forward reads: the verdict of
+    the first (scale 1: the usual layout) is not reused for the second (scale 0.2)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ScaledResidualBlock(4, 1.0), ScaledResidualBlock(4, 0.2))
+    eager = copy.deepcopy(model)
+    _, report = convert(model, report=True)
+    assert [r.name for r in report.replaced] == ["0"], _reasons(report)
+    x = torch.randn(2, 4, 6, 6)
+    assert_close(model(x), eager(x), torch.float32, "output")
+
+
+class NormAct(nn.BatchNorm2d):
+    """timm BatchNormAct2d's layout: BatchNorm2d with ``act`` and ``drop`` children."""
+
+    def __init__(self, c):
+        super().__init__(c)
+        self.act, self.drop = nn.ReLU(), nn.Identity()
+
+    def forward(self, x):
+        return self.drop(self.act(super().forward(x)))
+
+
+class FrozenBN(nn.BatchNorm2d):
+    def forward(self, x):
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+
+
+@pytest.mark.parametrize("edit", ["frozen-bn", "bn1d", "act-hook"])
+def test_fused_sequential_runs_children_edited_after_convert(edit):
+    """A child swapped or hooked after ``convert()`` whose own forward (or hook) the fused run would
+    bypass — a BatchNorm2d subclass with its own forward, a BatchNorm1d, a hook on a BatchNormAct's
+    ``act`` — runs eagerly: eager's output, or eager's error."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(NormAct(4) if edit == "act-hook" else nn.BatchNorm2d(4), *([] if edit == "act-hook"
+                        else [nn.ReLU()]), nn.Conv2d(4, 4, 3, padding=1))
+    convert(seq, backend="triton" if edit == "bn1d" else "auto")
+    assert isinstance(seq, FusedSequential) and seq.fused_runs
+    seen = []
+    if edit == "act-hook":
+        seq[0].act.register_forward_hook(lambda m, i, o: seen.append(1) or o * 2)
+    else:
+        seq[0] = FrozenBN(4) if edit == "frozen-bn" else nn.BatchNorm1d(4)
+    eager = copy.deepcopy(seq)
+    eager.__class__ = nn.Sequential
+    x = torch.randn(2, 4, 6, 6)
+    if edit == "bn1d":
+        with pytest.raises((ValueError, RuntimeError)):
+            seq(x)
+        return
+    assert_close(seq(x), eager(x), torch.float32, edit)
+    assert seq.last_backend == "reference" and seq.fallback_reason
+    assert edit != "act-hook" or len(seen) == 2
+
+
+class TimmStyleBasic(nn.Module):
+    """timm ``PreActBasic``'s layout: BatchNormAct norms, an identity ``downsample``, ``drop_path``."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.norm1, self.conv1 = NormAct(c), nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.norm2, self.conv2 = NormAct(c), nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.downsample, self.drop_path = nn.Identity(), nn.Identity()
+
+    def forward(self, x):
+        a = self.norm1(x)
+        return self.drop_path(self.conv2(self.norm2(self.conv1(a)))) + self.downsample(x)
+
+
+@pytest.mark.parametrize("where", ["projection-container", "identity-shortcut", "drop-path"])
+def test_hooks_added_after_convert_on_unfused_parts_run(where):
+    """A hook added after ``convert()`` to a module the fused reading does not call — the
+    ``Sequential`` around a fused projection, an identity shortcut, an inactive drop path — runs, and
+    changes the output as it does eagerly."""
+    torch.manual_seed(0)
+    block = {"projection-container": lambda: CifarPreActBlock(4, 8, stride=2),
+             "identity-shortcut": lambda: TimmStyleBasic(4), "drop-path": lambda: TimmStyleBasic(4)}[where]()
+    model = nn.Sequential(block)
+    _, report = convert(model, report=True)
+    assert [r.name for r in report.replaced] == ["0"], _reasons(report)
+    eager = nn.Sequential(copy.deepcopy(block))
+    name = {"projection-container": "shortcut", "identity-shortcut": "downsample", "drop-path": "drop_path"}[where]
+    seen = []
+    for m in (model, eager):
+        getattr(m[0], name).register_forward_hook(lambda mod, i, o: seen.append(1) or o * 2)
+    x = torch.randn(2, 4, 6, 6)
+    assert_close(model(x), eager(x), torch.float32, where)
+    assert len(seen) == 2
