@@ -37,7 +37,7 @@ from fused_preact.ops import (
 )
 from fused_preact.ops.auto import check_memory
 from fused_preact.ops.chain import ChainResult
-from fused_preact.ops.spec import projection_problem
+from fused_preact.ops.spec import check_running_buffers, projection_problem
 from fused_preact.ops.sync_stats import sync_bn_statistics, sync_enabled
 
 __all__ = ["FusedBNReLUConv2d", "FusedPreActBlock", "FusedPreActBottleneck", "FusedModuleBase", "bottleneck_width",
@@ -167,8 +167,9 @@ def run_units(owner: nn.Module, x: torch.Tensor, units: list, proj: Optional[nn.
     _check_buffers(units)
     convs = [c for _, c in units] + ([proj] if proj is not None else [])
     eager_reasons = _type_reasons(units) + [r for c in convs for r in _conv_reasons(c)] + _hook_reasons(units, proj)
-    if proj is not None and projection_problem(proj) is not None:
-        eager_reasons.append(projection_problem(proj))
+    proj_problem = projection_problem(proj) if proj is not None else None
+    if proj_problem is not None:
+        eager_reasons.append(proj_problem)
     if eager_reasons:
         if owner.backend not in ("auto", "reference"):
             raise RuntimeError(f"fused_preact: backend={owner.backend!r} cannot serve this module: "
@@ -195,12 +196,9 @@ def _check_buffers(units: list) -> None:
     """Raise what ``nn.BatchNorm2d.forward`` raises for a BatchNorm with only one of its running buffers
     (the chains take both or neither): ``F.batch_norm``'s errors for the arguments it would pass."""
     for bn, _ in units:
-        if (bn.running_mean is None) != (bn.running_var is None):
-            if not bn.training:
-                missing = "running_mean" if bn.running_mean is None else "running_var"
-                raise RuntimeError(f"{missing} must be defined in evaluation mode")
-            if bn.track_running_stats:
-                raise ValueError("running_mean and running_var must either both be None or neither be None")
+        if (bn.running_mean is None) != (bn.running_var is None):  # what nn.BatchNorm2d.forward passes
+            passed = not bn.training or bn.track_running_stats
+            check_running_buffers(bn.training, bn.running_mean if passed else None, bn.running_var if passed else None)
 
 
 def _count_without_buffers(units: list) -> None:

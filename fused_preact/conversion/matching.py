@@ -8,6 +8,7 @@ from typing import Optional, Union
 
 import torch.nn as nn
 
+from fused_preact.modules import _norm_act
 from fused_preact.ops.spec import projection_problem
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -50,7 +51,7 @@ def _conv_problem(name: str, conv: Optional[nn.Module]) -> Optional[str]:
 
 
 def _has_act(norm: nn.Module) -> bool:
-    return isinstance(getattr(norm, "act", None), nn.Module) and isinstance(getattr(norm, "drop", None), nn.Module)
+    return bool(_norm_act(norm))
 
 
 def _norm_problem(name: str, norm: Optional[nn.Module], kind: str) -> Optional[str]:

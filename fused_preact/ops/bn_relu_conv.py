@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from fused_preact.ops._common import IntOr2
 from fused_preact.ops.backends import PlanCache
 from fused_preact.ops.run import run_chain
-from fused_preact.ops.spec import BATCH, RUNNING, BNMode, ChainSpec, ChainTensors, ConvGeom
+from fused_preact.ops.spec import BATCH, RUNNING, BNMode, ChainSpec, ChainTensors, ConvGeom, check_running_buffers
 
 __all__ = ["bn_relu_conv2d", "bn_relu_conv2d_reference"]
 
@@ -78,12 +78,7 @@ def bn_relu_conv2d(
     # F.batch_norm's own argument checks, in its order and with its messages.
     if not isinstance(momentum, (int, float)):
         raise TypeError(f"batch_norm(): argument 'momentum' (position 7) must be float, not {type(momentum).__name__}")
-    if training and (running_mean is None) != (running_var is None):
-        raise ValueError("running_mean and running_var must either both be None or neither be None")
-    if not training:
-        for name, buf in (("running_mean", running_mean), ("running_var", running_var)):
-            if buf is None:
-                raise RuntimeError(f"{name} must be defined in evaluation mode")
+    check_running_buffers(training, running_mean, running_var)
     if (bn_weight is None) != (bn_bias is None):  # F.batch_norm's defaults for the missing half: γ = 1, β = 0
         C = x.shape[1]
         bn_weight = bn_weight if bn_weight is not None else torch.ones(C, device=x.device, dtype=bn_bias.dtype)

@@ -25,7 +25,7 @@ from fused_preact.ops._common import autocast_enabled, conv_out_size, pair
 
 __all__ = ["ConvGeom", "ChainSpec", "BNMode", "ChainTensors", "StatsHandoff", "SavedChain", "ChainForward",
            "GradNeeds", "ChainGrads", "BATCH", "RUNNING", "EXTERNAL", "validate_chain", "chain_shapes",
-           "add_shortcut"]
+           "add_shortcut", "projection_problem", "check_running_buffers"]
 
 #: BatchNorm modes of a unit: statistics of this batch, running statistics (eval), or statistics given
 #: from outside (synchronized BN; their gradients are returned instead of folded into dx).
@@ -67,9 +67,7 @@ class ConvGeom:
             RuntimeError: a weight that is not 4-D; ``"same"`` with a stride (``F.conv2d``'s error) or
                 with an odd total padding (eager pads one side more; the kernels pad symmetrically).
         """
-        if weight.dim() != 4:
-            raise RuntimeError(f"fused_preact: expected a 4D conv weight (K, C/groups, R, S), got shape "
-                               f"{list(weight.shape)}")
+        _check_weight_4d(weight)
         kernel, stride, dilation = (weight.shape[2], weight.shape[3]), pair(stride, "stride"), pair(dilation, "dilation")
         if padding == "valid":
             padding = (0, 0)
@@ -313,6 +311,33 @@ def projection_problem(conv: nn.Conv2d) -> Optional[str]:
             "unpadded one with equal strides)")
 
 
+def check_running_buffers(training: bool, running_mean: Optional[torch.Tensor],
+                          running_var: Optional[torch.Tensor]) -> None:
+    """``F.batch_norm``'s checks of its running buffers, in its order and with its messages.
+
+    Args:
+        training: ``F.batch_norm``'s ``training`` (``nn.BatchNorm2d`` passes True in eval mode when it
+            has neither buffer).
+        running_mean, running_var: the buffers passed (``nn.BatchNorm2d`` passes None for both in
+            training without ``track_running_stats``).
+
+    Raises:
+        ValueError: training with only one of the buffers.
+        RuntimeError: not training and a buffer is None.
+    """
+    if training and (running_mean is None) != (running_var is None):
+        raise ValueError("running_mean and running_var must either both be None or neither be None")
+    if not training:
+        for name, buf in (("running_mean", running_mean), ("running_var", running_var)):
+            if buf is None:
+                raise RuntimeError(f"{name} must be defined in evaluation mode")
+
+
+def _check_weight_4d(weight: torch.Tensor) -> None:
+    if weight.dim() != 4:
+        raise RuntimeError(f"fused_preact: expected a 4D conv weight (K, C/groups, R, S), got shape {list(weight.shape)}")
+
+
 def _check_conv(x, g: ConvGeom, weight, bias, C, H, W, in_shape, autocast: bool) -> None:
     for name, t in (("weight", weight), ("bias", bias)):
         if t is None:
@@ -322,8 +347,7 @@ def _check_conv(x, g: ConvGeom, weight, bias, C, H, W, in_shape, autocast: bool)
                                f"{x.device} and {t.device}! ({name})")
         if t.dtype != x.dtype and not autocast:
             raise RuntimeError(f"Input type ({x.dtype}) and {name} type ({t.dtype}) should be the same")
-    if weight.dim() != 4:
-        raise RuntimeError(f"fused_preact: expected a 4D conv weight (K, C/groups, R, S), got shape {list(weight.shape)}")
+    _check_weight_4d(weight)
     if weight.shape[0] < 1:
         raise RuntimeError(f"Given groups={g.groups}, expected weight to be at least 1 at dimension 0, but got weight "
                            f"of size {list(weight.shape)} instead")
