@@ -346,20 +346,34 @@ def test_bn_in_another_dtype_raises_as_eager(dtype, what):
 
 
 # ------------------------------------------------------------------- geometries the kernels refuse
-def test_padded_kernel_over_32_taps_runs_eagerly_with_a_reason():
-    """The fprop kernel's per-row padding mask holds 32 taps: a padded 7×7 runs eagerly, named;
-    5×5 (25 taps) and an unpadded 7×7 stay fused."""
-    for k, pad, fused_path in ((7, 3, False), (5, 2, True), (7, 0, True)):
-        fused, eager = _twins(k=k, padding=pad)
-        x = _x(2, 4, 9, 9)
-        assert_close(fused(x), eager(x), torch.float32, f"{k}x{k} pad {pad}")
-        assert (fused.last_backend == "triton") == fused_path, fused.fallback_reason
-        if not fused_path:
-            assert "32 taps" in fused.fallback_reason
-    fused.conv.padding = (3, 3)
-    fused.backend = "triton"
-    with pytest.raises(RuntimeError, match="32 taps"):
-        fused(x)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("k, pad, dil", [((7, 7), 3, 1), ((1, 33), (0, 16), 1), ((9, 9), 4, 1), ((6, 6), 5, 2)])
+def test_padded_kernel_over_32_taps_is_fused(k, pad, dil, dtype):
+    """Padded kernels of more than 32 taps (the fprop kernel's per-row padding word holds 32; beyond,
+    its loop tests each tap's row and column) run on the Triton kernels and match a float64 reference:
+    output, input, weight and BatchNorm gradients."""
+    torch.manual_seed(0)
+    fused = FusedBNReLUConv2d(4, 6, k, padding=pad, dilation=dil, backend="triton").to(DEVICE)
+    with torch.no_grad():
+        fused.bn.weight.uniform_(0.5, 1.5)
+        fused.bn.bias.uniform_(-0.5, 0.5)
+    ref = nn.Sequential(copy.deepcopy(fused.bn), nn.ReLU(), copy.deepcopy(fused.conv)).double()
+    fused = fused.to(dtype)
+    x = _x(2, 4, 9, 40, dtype=torch.float64)  # wide: taps 0 and 32 of the 1×33 differ
+    xf = x.detach().to(dtype).requires_grad_(True)
+    out = fused(xf)
+    assert fused.last_backend == "triton", fused.fallback_reason
+    want = ref(x)
+    dy = torch.randn_like(want)
+    out.backward(dy.to(dtype))
+    want.backward(dy)
+    what = f"{k} pad {pad} dil {dil}"
+    tol = torch.float32 if dtype == torch.float32 else torch.float16
+    assert_close(out.double(), want, tol, f"{what}: out")
+    assert_close(xf.grad.double(), x.grad, tol, f"{what}: dx")
+    assert_close(fused.conv.weight.grad.double(), ref[2].weight.grad, tol, f"{what}: dW")
+    assert_close(fused.bn.weight.grad.double(), ref[0].weight.grad, tol, f"{what}: dgamma")
+    assert_close(fused.bn.bias.grad.double(), ref[0].bias.grad, tol, f"{what}: dbeta")
 
 
 @pytest.mark.parametrize("shortcut", ["stride-2x1", "bias", "3x3"])

@@ -153,10 +153,6 @@ class TritonBackend(Backend):
             reasons.append("triton: CUDA tensor but the kernels were built for Triton's interpreter")
         elif x.device.type not in ("cpu", "cuda"):
             reasons.append(f"triton: device type {x.device.type!r} not supported")
-        for g in spec.convs if spec is not None else ():
-            if g.kernel[0] * g.kernel[1] > 32 and max(g.padding) > 0:
-                reasons.append(f"triton: a padded {g.kernel[0]}x{g.kernel[1]} kernel (the fprop kernel's per-row "
-                               "padding mask holds 32 taps)")
         return reasons
 
     @classmethod

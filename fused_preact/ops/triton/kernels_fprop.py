@@ -33,6 +33,13 @@ from fused_preact.ops.triton.prologue16 import _pack16_absmax, _pow2, _pow2_expo
 
 
 @triton.jit
+def _tap_inside(ih0, iw0, dh, dw, H, W):
+    """Whether the rows' tap at offset (dh, dw) from their first input pixel (ih0, iw0) lies inside the
+    H × W image (one unsigned compare per axis: a negative coordinate wraps above the bound)."""
+    return ((ih0 + dh).to(tl.uint32) < H.to(tl.uint32)) & ((iw0 + dw).to(tl.uint32) < W.to(tl.uint32))
+
+
+@triton.jit
 def _load_tile(ptrs, mask_a, mask_b):
     """``tl.load(ptrs)`` masked by ``mask_a & mask_b`` (0 elsewhere), either of which may be None."""
     if mask_a is None:
@@ -187,10 +194,12 @@ def _fprop_kernel(
     row_x = nb * sxn + ih0 * sxh + iw0 * sxw
     # Bit t of vbits: tap t = r·S + s of the row reads inside the image (padding otherwise). vbits2
     # holds the same bits for the 16-bit transform's row mask, computed another way: one shared
-    # value would be converted between the two loads' layouts inside the loop.
+    # value would be converted between the two loads' layouts inside the loop. More than 32 taps
+    # (MANY_TAPS) do not fit a word: the loop tests the tap's row and column instead.
+    MANY_TAPS: tl.constexpr = RS > 32
     vbits = tl.zeros([BLOCK_M], dtype=tl.int32)
     vbits2 = tl.zeros([BLOCK_M], dtype=tl.int32)
-    if PADDED:
+    if PADDED and not MANY_TAPS:
         for rr in tl.static_range(R):
             ok_h = (ih0 + rr * DIL_H >= 0) & (ih0 + rr * DIL_H < H)
             ok_h2 = (ih0 + rr * DIL_H).to(tl.uint32) < H.to(tl.uint32)
@@ -255,7 +264,10 @@ def _fprop_kernel(
                 x_at = x_col[None, :] + off[:, None]
             xt = _load_tile(x_at, None, None if EVEN_C else c_mask[None, :])
         elif PADDED:
-            keep = ((vbits >> tap) & 1) != 0
+            if MANY_TAPS:
+                keep = _tap_inside(ih0, iw0, r * DIL_H, s * DIL_W, H, W)
+            else:
+                keep = ((vbits >> tap) & 1) != 0
             xt = _load_tile(x_tile + (c_off * sxc + tap_off), keep[:, None], None if EVEN_C else c_mask[None, :])
         else:
             xt = _load_tile(x_tile + (c_off * sxc + tap_off), None, None if EVEN_C else c_mask[None, :])
@@ -268,7 +280,10 @@ def _fprop_kernel(
                 b16 = _load_row(v_row + (2 * C + c_off), c_mask)
             if PADDED:
                 # the −1 word where the tap is inside the image, 0 (masked off) where padded
-                k32 = tl.load(ones_r, mask=(vbits2 & (1 << tap)) != 0, other=0)
+                if MANY_TAPS:
+                    k32 = tl.load(ones_r, mask=_tap_inside(ih0, iw0, r * DIL_H, s * DIL_W, H, W), other=0)
+                else:
+                    k32 = tl.load(ones_r, mask=(vbits2 & (1 << tap)) != 0, other=0)
                 a = _preact16(xt, nm, s16, b16, k32, True, PRO16 == 2)
             else:
                 a = _preact16(xt, nm, s16, b16, None, False, PRO16 == 2)
