@@ -25,7 +25,8 @@ its inputs twice in backward; ``docs/design.md`` counts those passes. The floor 
 bound no implementation beats, and "percent of floor" (floor/measured) says how close one comes.
 
 Floor: ``max(FLOPs / peak FLOP/s, bytes / peak B/s)`` with the peaks *measured* on the machine
-(a large bf16 matmul and a large device copy; :func:`fused_preact.bench.timing.measure_peaks`),
+(a large matmul in the timed dtype, fp32 with TF32 as cuDNN's convolutions use it, and a large
+device copy; :func:`fused_preact.bench.timing.measure_peaks`),
 as in the roofline model (Williams, Waterman, Patterson, CACM 52(4), 2009).
 
 A block's FLOPs, bytes and floor are the sums over its units (each intermediate activation feeds a
