@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import OrderedDict
@@ -86,6 +87,9 @@ def test_blocks():
     assert len(r164) == 6 and sum(b.count for b in r164) == 54
     basic = enumerate_blocks("preact_resnet20", 4)
     assert basic[0].kind == "basic" and [u.R for u in basic[0].units] == [3, 3]
+    assert b.describe() == "bottleneck 256→512 /2 @56²"
+    example = re.search(r"``(.+?)``", type(b).describe.__doc__).group(1)  # the docstring's example is real
+    assert example in {x.describe() for x in r50}
 
 
 def test_quick_subset_is_a_subset():
@@ -536,3 +540,8 @@ def test_check_auto_applies_the_gpu_targets(tmp_path, capsys):
     assert "FAIL" in out and "invalid: triton" in out
     path.write_text(json.dumps(_results([entry("eager", 1.0, 100)])))
     assert check_auto.main([str(path)]) == 2
+    # the targets are per block and training step: a unit's fwd+bwd entry is not judged
+    unit = [dict(e, level="unit", name="m/b/conv1") for e in (entry("eager", 1.0, 100), entry("auto", 2.0, 90))]
+    path.write_text(json.dumps(_results([entry("eager", 1.0, 100), entry("auto", 1.01, 90)] + unit)))
+    assert check_auto.main([str(path)]) == 0
+    assert "m/b/conv1" not in capsys.readouterr().out

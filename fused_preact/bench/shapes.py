@@ -236,7 +236,7 @@ class BlockShape:
         return (self.kind, self.N, self.H, self.W, self.in_planes, self.planes, self.stride, self.groups, self.base_width)
 
     def describe(self) -> str:
-        """Short string, e.g. ``bottleneck 256→128×4 /2 @56²``."""
+        """Short string: kind, input → output channels, stride, input size, e.g. ``bottleneck 256→512 /2 @56²``."""
         out = self.planes * (4 if self.kind == "bottleneck" else 1)
         return f"{self.kind} {self.in_planes}→{out} /{self.stride} @{self.H}²"
 
