@@ -4,7 +4,9 @@
 
 Environment:
     FUSED_PREACT_BENCH        ``full`` (default: every distinct unit and block of PreActResNet-50 and
-                              PreActResNet-164, every provider; hours of compilation with
+                              PreActResNet-164, every provider: eager, compile, compile-max-autotune,
+                              triton, cuda, recompute, auto, auto-lean, and at the model level
+                              eager-cudagraph, triton-cudagraph; hours of compilation with
                               max-autotune) or ``quick`` (the ``--quick`` subset, few rounds, no
                               max-autotune and no model-level compile: a few minutes)
     FUSED_PREACT_BENCH_BATCH  batch size (default 128); the dtype is bf16, the layout channels_last.
@@ -13,7 +15,8 @@ Each timed round is one call followed by ``torch.cuda.synchronize()`` (pytest-be
 then measures device time); untimed setup (the forward of a ``bwd`` round, a batch copy into a CUDA
 graph's input) ends with a synchronize too. Warm-up rounds (compilation, autotuning) are untimed.
 ``benchmark.extra_info`` records name, level, provider, mode, dtype, batch, peak_mem_bytes, backend
-(what ran: ``eager``, ``triton`` or ``cuda``, checked on every fused module's ``last_backend``) and, for
+(what ran: ``eager``, ``triton``, ``cuda``, ``recompute`` or ``auto``, checked on every fused module's
+``last_backend``) and, for
 units and blocks, flops, min_bytes, floor_ms (roofline floor from the measured peaks), tflops, gbps
 and pct_of_floor — the fields of a ``python -m fused_preact.bench`` results entry.
 """

@@ -22,7 +22,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def peaks():
-    """Measured bf16 matmul TFLOP/s, copy GB/s and L2 size of this GPU (``fused_preact.bench.timing.Peaks``)."""
+    """Measured bf16 matmul TFLOP/s (the suite's dtype), copy GB/s and L2 size of this GPU
+    (``fused_preact.bench.timing.Peaks``)."""
     from fused_preact.bench import timing as BT
 
     torch.backends.cudnn.benchmark = True

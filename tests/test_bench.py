@@ -7,8 +7,10 @@ events for a host clock only to run the setup/run closures and check what they c
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import OrderedDict
@@ -21,6 +23,7 @@ from helpers import HostEvent
 
 from fused_preact.bench import run as bench
 from fused_preact.bench import timing as BT
+from fused_preact.bench.report import chart_series
 from fused_preact.bench.shapes import (
     UnitShape,
     block_flops,
@@ -84,6 +87,9 @@ def test_blocks():
     assert len(r164) == 6 and sum(b.count for b in r164) == 54
     basic = enumerate_blocks("preact_resnet20", 4)
     assert basic[0].kind == "basic" and [u.R for u in basic[0].units] == [3, 3]
+    assert b.describe() == "bottleneck 256→512 /2 @56²"
+    example = re.search(r"``(.+?)``", type(b).describe.__doc__).group(1)  # the docstring's example is real
+    assert example in {x.describe() for x in r50}
 
 
 def test_quick_subset_is_a_subset():
@@ -142,9 +148,13 @@ def test_block_costs_sum_units():
 
 def test_pool_count_and_dtype_names():
     l2 = 50 << 20
-    assert BT.pool_count(4 << 20, l2) == 16  # capped
     assert BT.pool_count(30 << 20, l2) == 4  # ceil(100 / 30)
     assert BT.pool_count(256 << 20, l2) == 2  # never fewer than 2
+    for set_bytes in (1 << 10, 100_000, 4 << 20, 7 << 20, 30 << 20):  # small sets too: the pool holds ≥ 2·L2
+        assert BT.pool_count(set_bytes, l2) * set_bytes >= 2 * l2, set_bytes
+    assert BT.pool_count(4 << 20, l2) == 25
+    assert BT.pool_count(1 << 20, 1 << 30) == 1024  # 2·L2 above the memory bound: the pool stays within 1 GiB
+    assert BT.pool_count(4 << 20, l2, cap=3) == 3
     assert dtype_from_name("bf16") is torch.bfloat16 and dtype_from_name("torch.float16") is torch.float16
     with pytest.raises(ValueError):
         dtype_from_name("int8")
@@ -217,6 +227,36 @@ def test_table_and_markdown_show_speedups():
     assert md.count("| unit | fwd+bwd | triton | 1 | 2.00× | 1.50× |") == 1
 
 
+def test_chart_keeps_every_dtype(tmp_path, monkeypatch):
+    """A run of several dtypes charts one row per name and dtype: no dtype's value replaces another's."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    entries = []
+    for dtype, triton_ms in (("bf16", 2.0), ("fp16", 0.25)):
+        for provider, ms in (("eager", 1.0), ("triton", triton_ms)):
+            entries.append(bench.make_entry(name="m/layer1.0", level="block", provider=provider, mode="fwd+bwd",
+                                            dtype=dtype, batch=8, times_ms=[ms], peak_mem_bytes=10))
+            entries.append(bench.make_entry(name="m/train_step", level="model", provider=provider, mode="step",
+                                            dtype=dtype, batch=8, times_ms=[10 * ms],
+                                            peak_mem_bytes=(2 << 30 if dtype == "bf16" else 4 << 30) >> (provider != "eager")))
+    bench.annotate(entries)
+    blocks = [e for e in entries if e["level"] == "block"]
+    labels, series = chart_series(blocks, "speedup_vs_eager")
+    assert labels == ["m/layer1.0 [bf16]", "m/layer1.0 [fp16]"] and series == {"triton": [0.5, 4.0]}
+    drawn = []
+    real = matplotlib.axes.Axes.barh
+
+    def barh(self, y, width, *args, **kwargs):
+        drawn.append((kwargs.get("label"), list(width)))
+        return real(self, y, width, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "barh", barh)
+    bench.write_chart(_results(entries), tmp_path / "chart.png")
+    assert ("triton", [0.5, 4.0]) in drawn  # block speedups, and the step's: one bar per dtype
+    assert ("eager", [2.0, 4.0]) in drawn and ("triton", [1.0, 2.0]) in drawn  # step memory (GiB)
+
+
 def test_chart_png(tmp_path):
     pytest.importorskip("matplotlib")
     obj = _results([_entry("eager", 2.0), _entry("triton", 1.0),
@@ -236,6 +276,41 @@ def test_report_rerenders_existing_file(tmp_path, capsys):
     assert "2.00×" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("kind", ["missing", "folder", "not-json"])
+def test_report_of_an_unreadable_file_is_refused(tmp_path, capsys, kind):
+    """--report of a missing file, a folder or malformed JSON: a message and exit 2, as the docstring says."""
+    path = {"missing": tmp_path / "none.json", "folder": tmp_path, "not-json": tmp_path / "bad.json"}[kind]
+    (tmp_path / "bad.json").write_text("{not json")
+    assert bench.main(["--report", str(path)]) == 2
+    assert f"cannot read --report {path}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--batch", "0"], "argument --batch: must be at least 1, got 0"),
+    (["--batch", "-4"], "argument --batch: must be at least 1, got -4"),
+    (["--reps", "0"], "argument --reps: must be at least 1, got 0"),
+    (["--model-reps", "0"], "argument --model-reps: must be at least 1, got 0"),
+    (["--warmup", "-1"], "argument --warmup: must be at least 0, got -1"),
+    (["--time-limit", "0"], "argument --time-limit: must be a number > 0, got 0"),
+    (["--level", "unit", "--providers", "cudnn"], "nothing to run: no task for --providers cudnn at --level unit"),
+    (["--level", "unit", "--modes", "enqueue"], "the unit level has no enqueue mode"),
+])
+def test_bench_cli_errors_are_argparse_errors(argv, message, capsys):
+    """Invalid counts and a plan without a task end in argparse's usage error (exit 2) before anything runs."""
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv + ["--out", "/nonexistent/never-written"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m fused_preact.bench") and message in err, err
+
+
+def test_static_flag_abbreviated(capsys):
+    """argparse takes --stat for --static: it prints where the static report lives, like --static."""
+    for flag in ("--static", "--stat"):
+        assert bench.main([flag, "--arch", "sm_90"]) == 2
+        assert "python -m tools.static_report" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------------- running
 def test_plan_runs_cheap_providers_first():
     tasks = bench._plan(["unit", "model"], ["preact_resnet50", "preact_resnet164"], list(bench._ALL_PROVIDERS), 128, True)
@@ -248,6 +323,46 @@ def test_plan_runs_cheap_providers_first():
     assert tasks[first_compile + 1].level == "unit"
     graphs = [t for t in tasks if t.provider.endswith("-cudagraph")]
     assert {(t.level, t.model) for t in graphs} == {("model", "preact_resnet164")}
+
+
+def test_source_sha256_hashes_the_package_sources(tmp_path):
+    """``source_sha256`` covers the package's Python files and csrc/ beside it: an edit to either changes it."""
+    empty = "e3b0c44298fc1c14"  # sha256 of nothing
+    assert bench._source_sha256() != empty
+    pkg = tmp_path / "fused_preact"
+    (pkg / "ops").mkdir(parents=True)
+    (pkg / "ops" / "kernel.py").write_text("x = 1\n")
+    (pkg / "__pycache__").mkdir()
+    (pkg / "__pycache__" / "kernel.cpython-312.pyc").write_bytes(b"cache")
+    first = bench._source_sha256(pkg)
+    assert first != empty
+    (pkg / "__pycache__" / "kernel.cpython-312.pyc").write_bytes(b"other cache")
+    assert bench._source_sha256(pkg) == first  # caches do not count
+    (pkg / "ops" / "kernel.py").write_text("x = 2\n")
+    edited = bench._source_sha256(pkg)
+    assert edited != first
+    (tmp_path / "csrc" / "checks").mkdir(parents=True)
+    (tmp_path / "csrc" / "checks" / "k.cu").write_text("// kernel\n")
+    assert bench._source_sha256(pkg) not in (first, edited)
+
+
+def test_floor_uses_the_timed_dtypes_matmul_peak(host_harness, monkeypatch):
+    """An fp32 (or fp16) entry's roofline floor comes from that dtype's measured matmul rate, not bf16's,
+    and the report's header names each rate (fp32 with the math it ran: TF32 or IEEE)."""
+    monkeypatch.setattr(BT, "peak_memory", lambda run, setup: 0)
+    run = object.__new__(bench._Run)
+    run.a = argparse.Namespace(modes=["fwd"], warmup=0, reps=1, max_s=10.0, batch=2, quick=False)
+    run.peaks = BT.Peaks(tflops=1000.0, gbps=1e6, matmul_n=8, copy_bytes=8, l2_bytes=1 << 10, sm_count=1,
+                         matmul_tflops={"bf16": 1000.0, "fp32": 1e-3}, fp32_math="tf32")
+    u = UnitShape("m", "m/l/c", 2, 8, 5, 5, 8, 3, 3, (1, 1), (1, 1))
+    (e,) = run.layer(bench._Task("unit", "m", u, "eager", 0, 0, "fp32"))
+    fl = unit_flops(u, "fwd")
+    assert e["floor_ms"] == pytest.approx(floor_ms(fl, unit_min_bytes(u, "fwd", 4), 1e-3, 1e6))
+    assert e["floor_ms"] == pytest.approx(fl / 1e6)  # compute-bound at the fp32 rate (1e9 FLOP/s)
+    obj = dict(_results([e]), dtype="bf16 fp32", peaks=run.peaks.as_dict())
+    assert "measured peaks 1000 TFLOP/s bf16, 0 TFLOP/s fp32 (TF32), 1000000 GB/s" in bench.format_table(obj)
+    old = dict(obj, peaks=dict(tflops=800, gbps=3000))  # a file from before per-dtype peaks
+    assert "800 TFLOP/s bf16 (the fp32 floors use the bf16 rate)" in bench.format_table(old)
 
 
 def test_cli_refuses_without_cuda(tmp_path):
@@ -354,10 +469,10 @@ def test_step_harness_trains_and_records_what_ran(host_harness, monkeypatch):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 0)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: None)
     h = BT.StepHarness(bench.MODEL_SPECS["preact_resnet20"], "eager", 4, torch.float32, l2_bytes=1 << 20)
-    assert h.n == 4 and h.xs[0].is_contiguous(memory_format=torch.channels_last)
+    assert h.n == 43 and h.xs[0].is_contiguous(memory_format=torch.channels_last)  # ⌈2 MiB / 48 KiB batches⌉: 2·L2
     before = [p.detach().clone() for p in h.model.parameters()]
     m = h.measure(warmup=1, reps=2, max_s=10.0)
-    assert len(m.times_ms) == 2 and m.extra == {"pool": 4, "backend": "eager"}
+    assert len(m.times_ms) == 2 and m.extra == {"pool": 43, "backend": "eager"}
     assert all(not torch.equal(a, b) for a, b in zip(before, h.model.parameters()))  # SGD stepped every weight
 
 
@@ -425,3 +540,8 @@ def test_check_auto_applies_the_gpu_targets(tmp_path, capsys):
     assert "FAIL" in out and "invalid: triton" in out
     path.write_text(json.dumps(_results([entry("eager", 1.0, 100)])))
     assert check_auto.main([str(path)]) == 2
+    # the targets are per block and training step: a unit's fwd+bwd entry is not judged
+    unit = [dict(e, level="unit", name="m/b/conv1") for e in (entry("eager", 1.0, 100), entry("auto", 2.0, 90))]
+    path.write_text(json.dumps(_results([entry("eager", 1.0, 100), entry("auto", 1.01, 90)] + unit)))
+    assert check_auto.main([str(path)]) == 0
+    assert "m/b/conv1" not in capsys.readouterr().out

@@ -156,7 +156,7 @@ def _fake_run(**args):
     a = dict(kernel_modes=list(K.KERNEL_MODES), warmup=1, reps=3, max_s=10.0, batch=2, modes=["enqueue"], quick=True,
              enqueue_steps=4)
     a.update(args)
-    fake = SimpleNamespace(a=SimpleNamespace(**a), peaks=BT.Peaks(100.0, 1000.0, 1, 1, 1 << 20, 1))
+    fake = SimpleNamespace(a=SimpleNamespace(**a), peaks=BT.Peaks(100.0, 1000.0, 1, 1, 1 << 12, 1))
     fake._enqueue = lambda *x, **k: bench._Run._enqueue(fake, *x, **k)
     fake.skipped = []
     fake.skip = lambda t, reason: fake.skipped.append(reason)

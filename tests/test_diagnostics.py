@@ -196,3 +196,32 @@ def test_cli_subprocess(tmp_path):
     assert r["results"]["full_preact+identity d8"][0]["type"] == "PreActBlock"
     if png is not None:
         assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--depth", "10"], "argument --depth: depth 10 invalid for basic blocks: need depth = 6·n + 2"),
+    (["--depth", "8", "--bottleneck", "yes"], "argument --depth: depth 8 invalid for bottleneck blocks"),
+    (["--depth", "170"], "argument --depth: depth 170 invalid for bottleneck blocks"),
+    (["--batch", "0"], "argument --batch: must be at least 1, got 0"),
+    (["--image-size", "-1"], "argument --image-size: must be at least 1, got -1"),
+])
+def test_cli_errors_are_argparse_errors(argv, message, capsys):
+    """A depth that does not fit the unit form and counts below 1 end in argparse's usage error."""
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m fused_preact.experiments.gradient_flow") and message in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is for runs without CUDA")
+def test_cli_fused_on_cpu_runs_the_triton_kernels(tmp_path):
+    """--fused without CUDA: TRITON_INTERPRET is set before the kernels are built (parsing the arguments
+    builds nothing), so the fused modules run Triton in its interpreter, and the run says which backend ran."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "fused_preact.experiments.gradient_flow", "--fused", "--depth", "8", "--units",
+           "full_preact", "--batch", "2", "--image-size", "8", "--rows", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(env, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr
+    assert "full_preact+identity d8: fused modules ran triton\n" in proc.stdout, proc.stdout + proc.stderr
+    assert "warning" not in proc.stderr

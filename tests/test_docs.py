@@ -65,3 +65,17 @@ def test_readme_is_short_and_user_first():
     assert len(text) <= 8000, len(text)
     headings = re.findall(r"^## (.+)$", text, flags=re.M)
     assert headings[:2] == ["Install", "Quick start"], headings
+
+
+@pytest.mark.parametrize("path", ["benchmarks/test_unit.py", "benchmarks/test_block.py", "benchmarks/bench_support.py",
+                                  "benchmarks/results/README.md"])
+def test_benchmark_docs_list_every_provider(path):
+    """The benchmark suite's docstrings and the results format name every provider that is run."""
+    from fused_preact.bench.timing import LAYER_PROVIDERS, MODEL_PROVIDERS
+
+    text = open(os.path.join(ROOT, path), encoding="utf-8").read()
+    if path.endswith(".py"):
+        text = text.split('"""')[1]  # the module docstring
+    names = MODEL_PROVIDERS if path.endswith(("README.md", "bench_support.py")) else LAYER_PROVIDERS
+    missing = [p for p in names if not re.search(rf"(?<![\w-]){re.escape(p)}(?![\w-])", text)]
+    assert not missing, f"{path} does not name the providers {missing}"

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
+import os
+import subprocess
+import sys
 
 import pytest
+import torch
 from conftest import DEVICE
 
-from fused_preact.experiments.main_job import main, soak_passes
+from fused_preact.experiments import main_job
+from fused_preact.experiments.main_job import main, max_rel_divergence, soak_passes, verdict
 
 pytest.importorskip("sklearn")
 
@@ -51,6 +57,8 @@ def test_main_job_cli_help(capsys, monkeypatch):
     text = capsys.readouterr().out
     assert "--data-dir" in text and "cs.toronto.edu/~kriz/cifar-10-python.tar.gz" in text
     assert "optimizer steps (default: " in text and "(default: 0.05)" in text  # defaults are shown
+    # depths from 164 on are built with bottlenecks (9n+2), below with basic blocks (6n+2)
+    assert "6n+2 below 164 (basic blocks), 9n+2 from 164 on (bottlenecks)" in text
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -79,8 +87,6 @@ def test_main_job_cli_data_dir_names_the_missing_batches(tmp_path, capsys):
 
 def test_verdict_prints_the_pass_rule():
     """The verdict line comes with the rule and this run's numbers (accuracies are not judged)."""
-    from fused_preact.experiments.main_job import verdict
-
     r = dict(ok=False, soak=False, tolerance=1e-2, max_rel_divergence=3e-2, fp64_noise_floor=1e-2, limit=2e-2,
              eval_rel_divergence=1e-3, eval_fp64_noise_floor=None, eval_limit=1e-2)
     lines = verdict(r)
@@ -122,3 +128,71 @@ def test_bad_arguments_are_usage_errors(argv, message, capsys):
         main(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+# a fast run: the reference backend, no float64 twin, 8×8 digits
+FAST = ["--depth", "8", "--image-size", "8", "--eval-size", "8", "--backend", "reference", "--no-fp64-reference"]
+
+
+def test_soak_verdict_names_memory_only_where_measured():
+    r = dict(ok=True, soak=True, tail_rel_divergence=1e-4, tolerance_soak=0.05, mem_growth_bytes=None)
+    assert verdict(r)[1].endswith("≤ 5.0e-02; device memory not measured (CPU)")
+    assert "1 MiB (this run: 4096 bytes)" in verdict(dict(r, mem_growth_bytes=4096))[1]
+
+
+def test_batch_larger_than_the_split_is_capped_and_recorded(tmp_path, capsys):
+    """--batch-size above the training split trains on the whole split: the run says so and records the
+    batch it used (as --eval-size records the test images it used)."""
+    out = tmp_path / "r.json"
+    assert main(FAST + ["--steps", "1", "--batch-size", "100000", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["batch_size"] == 1500 and r["batch_size_requested"] == 100000 and r["eval_size"] == 8
+    assert "batch 1500 (--batch-size 100000 capped at the 1500-image training split)" in capsys.readouterr().out
+
+
+def test_nan_loss_at_any_step_fails_the_divergence_check(tmp_path, monkeypatch):
+    """A NaN loss after the first step makes the divergence NaN and the run fail (max() skipped it)."""
+    assert math.isnan(max_rel_divergence([1.0, float("nan"), 1.0], [1.0, 1.0, 1.0]))
+    assert math.isnan(max_rel_divergence([1.0, 1.0], [1.0, float("nan")]))
+    assert max_rel_divergence([1.1, 2.0], [1.0, 2.0]) == pytest.approx(0.1) and max_rel_divergence([], []) == 0.0
+    real, calls = main_job._step, []
+
+    def step(model, opt, x, y, device):
+        loss, dt, peak = real(model, opt, x, y, device)
+        fused = any(hasattr(m, "last_backend") for m in model.modules())
+        calls.append(fused)
+        return (float("nan") if fused and calls.count(True) == 2 else loss), dt, peak
+
+    monkeypatch.setattr(main_job, "_step", step)
+    out = tmp_path / "r.json"
+    assert main(FAST + ["--steps", "3", "--batch-size", "4", "--json", str(out)]) == 1
+    r = json.loads(out.read_text())
+    assert math.isnan(r["max_rel_divergence"]) and not r["ok"]
+
+
+@pytest.mark.parametrize("where", ["missing-folder", "folder"])
+def test_json_path_is_checked_before_the_run(tmp_path, capsys, where):
+    """An unwritable --json is a usage error up front, not an exception after the whole run."""
+    path = tmp_path / "no-such-folder" / "r.json" if where == "missing-folder" else tmp_path
+    with pytest.raises(SystemExit) as e:
+        main(FAST + ["--steps", "1", "--batch-size", "4", "--json", str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --json: " in err and ("no such folder" if where == "missing-folder" else "is a folder") in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is for runs without CUDA")
+def test_kernels_built_compiled_before_main_warn_and_say_what_ran():
+    """Called in a process that built the kernels compiled (no TRITON_INTERPRET), the job cannot switch
+    to the interpreter: it warns, and its CPU note names the fallback that ran, not the interpreter."""
+    code = ("import sys, fused_preact.ops._common; from fused_preact.experiments.main_job import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = ["--depth", "8", "--image-size", "8", "--eval-size", "8", "--no-fp64-reference", "--steps", "1",
+            "--batch-size", "4"]
+    p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
+                       env=dict(env, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stderr
+    assert "warning: fused_preact's Triton kernels were built compiled" in p.stderr, p.stderr
+    assert "note: these are CPU timings (the fused build ran reference)" in p.stdout, p.stdout
+    assert "in Triton's interpreter" not in p.stdout

@@ -35,7 +35,8 @@ them): exactly the ``fn[grid](*args)`` the op makes, with the tiles the op's pla
 GPU unless ``FUSED_PREACT_AUTOTUNE=0``). What a kernel reads that other launches make — the BN pack
 (scale, shift, mean, invstd) from the statistics and finalize launches — is made once, untimed.
 Every provider gets the same inputs (one seed); inputs rotate through a pool of at least twice the L2
-cache (:func:`fused_preact.bench.timing.pool_count`); the weight is shared.
+cache (at most 1 GiB, which binds only above a 512 MiB L2: :func:`fused_preact.bench.timing.pool_count`);
+the weight is shared.
 
 Timing (:func:`fused_preact.bench.timing.time_cuda`): CUDA events around one call, warm-up, median,
 and the GPU held busy by a sleep kernel while the call is enqueued (:data:`HOST_AHEAD_CYCLES`), so a
@@ -129,13 +130,14 @@ class KernelBench:
 
     Args:
         u: the unit. dtype: activations' and weight's dtype (BN's γ, β and statistics are fp32).
-        l2_bytes: L2 cache size; the pool holds ≥ 2·L2 bytes of (x, dy) sets (at most ``pool_cap``).
+        l2_bytes: L2 cache size; the pool holds ≥ 2·L2 bytes of (x, dy) sets (:func:`~fused_preact.bench.timing.
+            pool_count`: at least 2 sets, at most 1 GiB, and at most ``pool_cap`` sets where given).
         device: default ``fused_preact.bench.timing.DEVICE`` ("cuda"; tests use "cpu" with Triton's
             interpreter). seed: every provider built from the same seed sees the same data.
         split: force the Triton wgrad's K-split (tests of the fold path; default: the plan's choice).
     """
 
-    def __init__(self, u: UnitShape, dtype: torch.dtype, l2_bytes: int, device=None, pool_cap: int = 16,
+    def __init__(self, u: UnitShape, dtype: torch.dtype, l2_bytes: int, device=None, pool_cap: Optional[int] = None,
                  seed: int = 0, split: Optional[int] = None):
         from fused_preact.bench import timing as BT
 

@@ -12,7 +12,7 @@ from typing import Optional
 from fused_preact.bench.kernels import kernel_tables
 from fused_preact.bench.results import _ALL_PROVIDERS, _FUSED, ENTRY_MODES, LEVELS, _key, annotate
 
-__all__ = ["format_table", "markdown_report", "write_chart"]
+__all__ = ["format_table", "markdown_report", "write_chart", "chart_series", "matmul_peaks"]
 
 
 def _fmt(v: Optional[float], spec: str, suffix: str = "") -> str:
@@ -91,11 +91,24 @@ def _md_table(head: list[str], rows: list[tuple]) -> str:
     return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def matmul_peaks(peaks: dict) -> str:
+    """The measured matmul rates of a results file's ``peaks``, one per dtype: ``"990 TFLOP/s bf16, 495
+    TFLOP/s fp32 (TF32)"``. Files from before per-dtype peaks hold the bf16 rate only."""
+    rates = peaks.get("matmul_tflops") or {"bf16": peaks.get("tflops")}
+    fp32 = f" ({peaks.get('fp32_math', 'ieee').upper()})"
+    return ", ".join(f"{_fmt(v, '.0f')} TFLOP/s {d}{fp32 if d == 'fp32' else ''}" for d, v in rates.items())
+
+
 def _header(obj: dict) -> str:
+    """One line: device, versions, commit, date, the measured peaks (each dtype's roofline floor uses its
+    own matmul rate; a dtype without one, in files from before per-dtype peaks, used bf16's), dtypes, batch."""
     peaks = obj.get("peaks") or {}
+    rates = peaks.get("matmul_tflops") or {"bf16": None}
+    borrowed = [d for d in str(obj.get("dtype", "")).split() if d not in rates]
+    note = f" (the {' '.join(borrowed)} floors use the bf16 rate)" if borrowed else ""
     return (f"{obj['device']} · driver {obj['driver']} · torch {obj['torch']} (CUDA {obj.get('cuda')}) · "
             f"triton {obj['triton']} · commit {obj['commit'][:12]}{' (dirty)' if obj.get('dirty') else ''} · "
-            f"{obj['date']} · measured peaks {_fmt(peaks.get('tflops'), '.0f')} TFLOP/s bf16, "
+            f"{obj['date']} · measured peaks {matmul_peaks(peaks)}{note}, "
             f"{_fmt(peaks.get('gbps'), '.0f')} GB/s · {obj.get('dtype', '')} batch {obj.get('batch', '')}")
 
 
@@ -188,10 +201,26 @@ def markdown_report(obj: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
+def chart_series(entries: list[dict], key: str, skip_eager: bool = True) -> tuple[list[str], dict[str, list[float]]]:
+    """One bar chart's data: the row labels (the entries' names in order of appearance, each with
+    `` [dtype]`` when the entries hold more than one dtype, so no dtype's value hides another's) and,
+    per provider (table order; ``eager`` left out with ``skip_eager``), ``entry[key]`` per row (0.0
+    where that provider has no entry or no value)."""
+    multi = len({e.get("dtype") for e in entries}) > 1
+    label = (lambda e: f"{e['name']} [{e.get('dtype')}]") if multi else (lambda e: e["name"])
+    labels = list(dict.fromkeys(label(e) for e in entries))
+    present = {e["provider"] for e in entries}
+    provs = [p for p in _ALL_PROVIDERS + tuple(sorted(present - set(_ALL_PROVIDERS)))
+             if p in present and not (skip_eager and p == "eager")]
+    by = {(label(e), e["provider"]): e.get(key) or 0.0 for e in entries}
+    return labels, {p: [by.get((n, p), 0.0) for n in labels] for p in provs}
+
+
 def write_chart(obj: dict, path: os.PathLike) -> Path:
     """PNG chart of a results object: per-layer speedup vs eager (unit and block, fwd+bwd, or the
     first mode present), per-model training-step speedup vs eager, and per-model step peak memory
-    (GiB). Needs matplotlib (imported here, Agg backend)."""
+    (GiB); one row per name and dtype (:func:`chart_series`). Needs matplotlib (imported here, Agg
+    backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -201,9 +230,11 @@ def write_chart(obj: dict, path: os.PathLike) -> Path:
     layer = [e for e in obj["results"] if e["level"] in ("unit", "block")]
     mode = "fwd+bwd" if any(e["mode"] == "fwd+bwd" for e in layer) else (layer[0]["mode"] if layer else None)
     layer = [e for e in layer if e["mode"] == mode and e.get("speedup_vs_eager")]
-    names = list(dict.fromkeys(e["name"] for e in layer))
+    names, layer_series = chart_series(layer, "speedup_vs_eager")
     model = [e for e in obj["results"] if e["level"] == "model" and e["mode"] == "step"]
-    models = list(dict.fromkeys(e["name"] for e in model))
+    models, model_series = chart_series([e for e in model if e.get("speedup_vs_eager")], "speedup_vs_eager")
+    mem_models, mem_series = chart_series([dict(e, gib=e["peak_mem_bytes"] / 2**30) for e in model], "gib",
+                                          skip_eager=False)
     fig, axes = plt.subplots(3, 1, figsize=(11, 4 + 0.22 * len(names) + 2 * 3), layout="constrained",
                              gridspec_kw={"height_ratios": [max(2, 0.22 * len(names)), 2.5, 2.5]})
     palette = plt.get_cmap("tab10").colors
@@ -224,18 +255,9 @@ def write_chart(obj: dict, path: os.PathLike) -> Path:
         ax.set_xlabel(xlabel)
         ax.legend(fontsize=7, loc="lower right")
 
-    def series(entries, labels, key, skip_eager=True):
-        present = {e["provider"] for e in entries}
-        provs = [p for p in _ALL_PROVIDERS + tuple(sorted(present - set(_ALL_PROVIDERS)))
-                 if p in present and not (skip_eager and p == "eager")]
-        by = {(e["name"], e["provider"]): e.get(key) or 0.0 for e in entries}
-        return {p: [by.get((n, p), 0.0) for n in labels] for p in provs}
-
-    bars(axes[0], names, series(layer, names, "speedup_vs_eager"), f"speedup vs eager, {mode} (×)", 1.0)
-    bars(axes[1], models, series([e for e in model if e.get("speedup_vs_eager")], models, "speedup_vs_eager"),
-         "training step speedup vs eager (×)", 1.0)
-    mem = [dict(e, gib=e["peak_mem_bytes"] / 2**30) for e in model]
-    bars(axes[2], models, series(mem, models, "gib", skip_eager=False), "training step peak memory beyond weights (GiB)")
+    bars(axes[0], names, layer_series, f"speedup vs eager, {mode} (×)", 1.0)
+    bars(axes[1], models, model_series, "training step speedup vs eager (×)", 1.0)
+    bars(axes[2], mem_models, mem_series, "training step peak memory beyond weights (GiB)")
     fig.suptitle(_header(obj), fontsize=7)
     path = Path(path)
     fig.savefig(path, dpi=110, bbox_inches="tight")

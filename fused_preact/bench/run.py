@@ -23,7 +23,9 @@ host time per step until the last call returns, ``wall_ms`` the time per step un
 
 Every result records the median time (ms) and the peak memory one call needs beyond its inputs
 (bytes); unit and block results also FLOPs, minimum bytes, achieved TFLOP/s and effective GB/s,
-the roofline floor (ms) from peaks *measured* at the start of the run, and percent of floor
+the roofline floor (ms) from peaks *measured* at the start of the run (the matmul rate of the entry's
+dtype; fp32 with TF32 when ``torch.backends.cudnn.allow_tf32`` is on, as cuDNN's and the Triton
+kernels' fp32 convolutions then run), and percent of floor
 (cost model: :mod:`fused_preact.bench.shapes`; timing method: :mod:`fused_preact.bench.timing`).
 
 Budget: the run works through cheap providers first (eager, fused, CUDA graphs; all levels), then
@@ -70,7 +72,7 @@ from fused_preact.bench.kernels import (
     kernel_min_bytes,
     quick_kernel_units,
 )
-from fused_preact.bench.report import format_table, markdown_report, write_chart
+from fused_preact.bench.report import format_table, markdown_report, matmul_peaks, write_chart
 from fused_preact.bench.results import (
     _ALL_PROVIDERS,
     _COMPILE,
@@ -113,11 +115,16 @@ def _run(cmd: list[str], cwd: Optional[Path] = None) -> Optional[str]:
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
 
 
-def _source_sha256() -> str:
-    root = Path(__file__).resolve().parents[1]
+def _source_sha256(package: Optional[Path] = None) -> str:
+    """First 16 hex digits of the SHA-256 over the package's ``*.py`` files and, where the package sits
+    in a checkout beside it, every file under ``csrc/`` (path relative to the package's parent, NUL,
+    content; sorted by path; caches skipped). ``package``: the ``fused_preact`` folder (default: this one)."""
+    package = Path(package) if package is not None else Path(__file__).resolve().parents[1]
+    root = package.parent
+    files = list(package.rglob("*.py")) + list((root / "csrc").rglob("*"))
     h = hashlib.sha256()
-    for p in sorted(list((root / "fused_preact").rglob("*.py")) + list((root / "csrc").glob("*"))):
-        if p.is_file():
+    for p in sorted(files):
+        if p.is_file() and "__pycache__" not in p.parts:
             h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes())
     return h.hexdigest()[:16]
 
@@ -265,7 +272,7 @@ class _Run:
             nb = unit_min_bytes(t.item, mode, elem) if unit else block_min_bytes(t.item, mode, elem)
             out.append(make_entry(name=t.name, level=t.level, provider=t.provider, mode=mode, dtype=t.dtype,
                                   batch=self.a.batch, times_ms=m.times_ms, peak_mem_bytes=m.peak_mem_bytes, flops=fl,
-                                  min_bytes=nb, floor=floor_ms(fl, nb, self.peaks.tflops, self.peaks.gbps),
+                                  min_bytes=nb, floor=floor_ms(fl, nb, self.peaks.tflops_for(t.dtype), self.peaks.gbps),
                                   shape=t.item.describe(), count=t.item.count, **m.extra))
         return out
 
@@ -323,7 +330,7 @@ class _Run:
             nb = kernel_min_bytes(t.item, mode, elem)
             out.append(make_entry(name=t.name, level="kernel", provider=t.provider, mode=mode, dtype=t.dtype,
                                   batch=self.a.batch, times_ms=m.times_ms, peak_mem_bytes=m.peak_mem_bytes, flops=fl,
-                                  min_bytes=nb, floor=floor_ms(fl, nb, self.peaks.tflops, self.peaks.gbps),
+                                  min_bytes=nb, floor=floor_ms(fl, nb, self.peaks.tflops_for(t.dtype), self.peaks.gbps),
                                   shape=t.item.describe(), count=t.item.count, **m.extra))
         if failed and out:
             self.skip(t, "; ".join(failed))  # the other modes' entries are kept
@@ -337,9 +344,9 @@ class _Run:
 
         torch.backends.cudnn.benchmark = True
         self.log(f"measuring peaks; then {len(tasks)} tasks, time limit {self.a.time_limit:.0f} s → {self.path}")
-        self.peaks = BT.measure_peaks(reps=5 if self.a.quick else 10)
+        self.peaks = BT.measure_peaks(reps=5 if self.a.quick else 10, dtypes=self.a.dtype)
         self.obj["peaks"] = self.peaks.as_dict()
-        self.log(f"peaks: {self.peaks.tflops:.0f} TFLOP/s bf16 matmul, {self.peaks.gbps:.0f} GB/s copy, "
+        self.log(f"peaks: {matmul_peaks(self.obj['peaks'])} matmul, {self.peaks.gbps:.0f} GB/s copy, "
                  f"L2 {self.peaks.l2_bytes >> 20} MiB")
         for i, t in enumerate(tasks):
             est = EST_S[t.level].get(t.provider, 30) * (0.5 if self.a.quick else 1.0)
@@ -397,6 +404,30 @@ def _report(obj: dict, json_path: Path, chart: bool) -> None:
             print(f"no chart: {e} (pip install matplotlib)", flush=True)
 
 
+def _int_at_least(low: int):
+    """argparse type: an int ≥ ``low`` (argparse's usage error, exit 2, otherwise)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fused_preact.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -410,18 +441,22 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: fwd bwd fwd+bwd; --quick: those and enqueue)")
     p.add_argument("--kernel-modes", nargs="+", choices=KERNEL_MODES, default=list(KERNEL_MODES),
                    help="kernel-level modes (default: all)")
-    p.add_argument("--enqueue-steps", type=int, default=20, help="calls back to back per enqueue measurement (default 20)")
-    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--enqueue-steps", type=_int_at_least(1), default=20,
+                   help="calls back to back per enqueue measurement (default 20)")
+    p.add_argument("--batch", type=_int_at_least(1), default=128)
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp32"],
                    help="one or more dtypes; every task runs in each (default: bf16)")
     p.add_argument("--quick", action="store_true", help="a few shapes, few repetitions (~2 minutes): an end-to-end check; "
                                                            "all levels (two kernel shapes) and the enqueue mode")
     p.add_argument("--out", default="benchmarks/results", help="folder for <device>-<date>.json/.md/.png")
-    p.add_argument("--time-limit", type=float, help="seconds of benchmarking (default 480; --quick 120)")
-    p.add_argument("--warmup", type=int, help="untimed calls per measurement (default 3; --quick 2)")
-    p.add_argument("--reps", type=int, help="timed calls per unit/block/kernel measurement (default 30; --quick 5)")
-    p.add_argument("--model-reps", type=int, help="timed training steps per model measurement (default 10; --quick 3)")
-    p.add_argument("--max-s", type=float, help="wall seconds after which a measurement stops repeating (default 1.5)")
+    p.add_argument("--time-limit", type=_positive_float, help="seconds of benchmarking (default 480; --quick 120)")
+    p.add_argument("--warmup", type=_int_at_least(0), help="untimed calls per measurement (default 3; --quick 2)")
+    p.add_argument("--reps", type=_int_at_least(1),
+                   help="timed calls per unit/block/kernel measurement (default 30; --quick 5)")
+    p.add_argument("--model-reps", type=_int_at_least(1),
+                   help="timed training steps per model measurement (default 10; --quick 3)")
+    p.add_argument("--max-s", type=_positive_float,
+                   help="wall seconds after which a measurement stops repeating (default 1.5)")
     p.add_argument("--commit", help="commit to record (default: $FUSED_PREACT_COMMIT or git rev-parse HEAD)")
     p.add_argument("--no-chart", action="store_true", help="skip the PNG")
     p.add_argument("--report", metavar="JSON", help="only re-render table/markdown/chart of an existing results file (no GPU)")
@@ -448,35 +483,60 @@ def cuda_refusal() -> Optional[str]:
     return None
 
 
+def _no_tasks(a: argparse.Namespace) -> str:
+    """Why the plan of ``a`` is empty: which providers each chosen level runs."""
+    from fused_preact.bench.timing import LAYER_PROVIDERS, MODEL_PROVIDERS
+
+    takes = {"unit": LAYER_PROVIDERS, "block": LAYER_PROVIDERS, "model": MODEL_PROVIDERS,
+             "kernel": ("cudnn",) + FUSED_KERNEL_PROVIDERS}
+    what = [f"{level} runs {' '.join(takes[level])}" for level in a.level]
+    if "unit" in a.level and not any(m in MODES for m in a.modes):
+        what.append("the unit level has no enqueue mode")
+    return (f"nothing to run: no task for --providers {' '.join(a.providers)} at --level {' '.join(a.level)} "
+            f"with --modes {' '.join(a.modes)} ({'; '.join(what)})")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI entry point (see the module docstring). Returns the exit code: 0 done, 2 refused (no
     CUDA, Triton interpreter active, invalid --report file, or ``--static``: the static report is
-    ``python -m tools.static_report``, run from the repository root)."""
+    ``python -m tools.static_report``, run from the repository root).
+
+    Raises:
+        SystemExit: status 2 with argparse's usage message for an invalid argument (a count below 1,
+            a combination of levels, providers and modes that plans no task); status 0 for ``--help``.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--static" in argv:
+    parser = _parser()
+    if parser.parse_known_args(argv)[0].static:  # before the full parse: the static report's own arguments may follow
         print(f"fused_preact.bench: {STATIC_MOVED}", file=sys.stderr)
         return 2
-    a = _parser().parse_args(argv)
+    a = parser.parse_args(argv)
     if a.report:
-        obj = json.loads(Path(a.report).read_text())
+        try:
+            obj = json.loads(Path(a.report).read_text())
+        except (OSError, ValueError) as e:  # missing, a folder, unreadable, not UTF-8 or not JSON
+            print(f"fused_preact.bench: cannot read --report {a.report}: {e}", file=sys.stderr)
+            return 2
         problems = validate_results(obj)
         if problems:
             print("fused_preact.bench: not a valid results file: " + "; ".join(problems[:5]), file=sys.stderr)
             return 2
         _report(obj, Path(a.report), not a.no_chart)
         return 0
-    refusal = cuda_refusal()
-    if refusal:
-        print(f"fused_preact.bench: {refusal}", file=sys.stderr)
-        return 2
     defaults = dict(time_limit=(120.0, 480.0), warmup=(2, 3), reps=(5, 30), model_reps=(3, 10), max_s=(1.5, 1.5))
     defaults.update(level=(list(LEVELS), ["unit", "block", "model"]), modes=(list(MODES) + ["enqueue"], list(MODES)))
     for k, (quick, full) in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, quick if a.quick else full)
     a.dtype = list(dict.fromkeys(a.dtype))
-    run = _Run(a, "python -m fused_preact.bench " + shlex.join(argv))
     tasks = _plan(a.level, a.models, a.providers, a.batch, a.quick, a.dtype, a.modes)
+    if not tasks:
+        parser.error(_no_tasks(a))
+    refusal = cuda_refusal()
+    if refusal:
+        print(f"fused_preact.bench: {refusal}", file=sys.stderr)
+        return 2
+    run = _Run(a, "python -m fused_preact.bench " + shlex.join(argv))
     try:
         run.execute(tasks)
     finally:

@@ -25,7 +25,8 @@ its inputs twice in backward; ``docs/design.md`` counts those passes. The floor 
 bound no implementation beats, and "percent of floor" (floor/measured) says how close one comes.
 
 Floor: ``max(FLOPs / peak FLOP/s, bytes / peak B/s)`` with the peaks *measured* on the machine
-(a large bf16 matmul and a large device copy; :func:`fused_preact.bench.timing.measure_peaks`),
+(a large matmul in the timed dtype, fp32 with TF32 as cuDNN's convolutions use it, and a large
+device copy; :func:`fused_preact.bench.timing.measure_peaks`),
 as in the roofline model (Williams, Waterman, Patterson, CACM 52(4), 2009).
 
 A block's FLOPs, bytes and floor are the sums over its units (each intermediate activation feeds a
@@ -235,7 +236,7 @@ class BlockShape:
         return (self.kind, self.N, self.H, self.W, self.in_planes, self.planes, self.stride, self.groups, self.base_width)
 
     def describe(self) -> str:
-        """Short string, e.g. ``bottleneck 256→128×4 /2 @56²``."""
+        """Short string: kind, input → output channels, stride, input size, e.g. ``bottleneck 256→512 /2 @56²``."""
         out = self.planes * (4 if self.kind == "bottleneck" else 1)
         return f"{self.kind} {self.in_planes}→{out} /{self.stride} @{self.H}²"
 

@@ -8,7 +8,8 @@ measured call runs between two CUDA events on the current stream and the host wa
 event before the next call (the device is synchronized *inside* each timed call, so no call's work
 overlaps the next call's setup); warm-up calls come first (Triton JIT, Inductor compilation,
 autotuning, cuDNN algorithm search all happen there); the inputs rotate through a pool whose total
-size is at least twice the L2 cache, so a call never finds its input cached by the previous one;
+size is at least twice the L2 cache (at least two sets; the pool stays within 1 GiB, which only an L2
+above 512 MiB would make bind: :func:`pool_count`), so a call never finds its input cached by the previous one;
 the result is the median in ms. Untimed per-call setup (the forward pass whose backward is timed,
 copying a batch into a CUDA graph's static input) runs before the start event.
 
@@ -38,7 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fused_preact.bench.shapes import MODES, BlockShape, ModelSpec, UnitShape
+from fused_preact.bench.shapes import MODES, BlockShape, ModelSpec, UnitShape, dtype_from_name
 
 __all__ = [
     "LAYER_PROVIDERS",
@@ -100,6 +101,10 @@ class Peaks:
         matmul_n: n of the n×n×n matmul. copy_bytes: bytes of the copied buffer.
         l2_bytes: L2 cache size in bytes (``torch.cuda.get_device_properties().L2_cache_size``).
         sm_count: multiprocessors.
+        matmul_tflops: matmul rate per dtype name (``"bf16"``, ``"fp16"``, ``"fp32"``) measured, TFLOP/s.
+        fp32_math: how the fp32 rate was measured, as the timed fp32 convolutions run: ``"tf32"`` when
+            ``torch.backends.cudnn.allow_tf32`` is on (cuDNN's and the Triton kernels' fp32 convolutions
+            then use TF32 tensor cores), else ``"ieee"``.
     """
 
     tflops: float
@@ -108,6 +113,13 @@ class Peaks:
     copy_bytes: int
     l2_bytes: int
     sm_count: int
+    matmul_tflops: dict = dataclasses.field(default_factory=dict)
+    fp32_math: str = "ieee"
+
+    def tflops_for(self, dtype: str) -> float:
+        """The matmul rate (TFLOP/s) of ``dtype`` (a ``--dtype`` name): its measured rate, ``tflops``
+        (bf16) where that dtype was not measured."""
+        return self.matmul_tflops.get(dtype, self.tflops)
 
     def as_dict(self) -> dict:
         """JSON-ready copy."""
@@ -128,14 +140,22 @@ class Measurement:
         return statistics.median(self.times_ms)
 
 
-def pool_count(set_bytes: int, l2_bytes: int, cap: int = 16, factor: float = 2.0) -> int:
+#: Most bytes an input pool may hold (:func:`pool_count`); 2·L2 stays below it for any L2 up to 512 MiB.
+POOL_MAX_BYTES = 1 << 30
+
+
+def pool_count(set_bytes: int, l2_bytes: int, cap: Optional[int] = None, factor: float = 2.0,
+               max_bytes: int = POOL_MAX_BYTES) -> int:
     """How many input sets of ``set_bytes`` bytes to rotate so the pool holds ≥ ``factor``·L2 bytes.
 
-    At least 2 (consecutive calls never share an input), at most ``cap`` (memory).
+    At least 2 (consecutive calls never share an input). Memory bounds it: no more sets than fit in
+    ``max_bytes`` (but still 2), so the pool falls short of ``factor``·L2 only when that exceeds
+    ``max_bytes``; and at most ``cap`` sets where one is given (tests keep their pools small with it).
     """
     if set_bytes <= 0:
         return 2
-    return int(min(cap, max(2, math.ceil(factor * l2_bytes / set_bytes))))
+    n = max(2, min(math.ceil(factor * l2_bytes / set_bytes), max_bytes // set_bytes))
+    return n if cap is None else min(cap, n)
 
 
 def time_cuda(run: Callable[[Any], Any], setup: Callable[[int], Any] = lambda i: i, *, warmup: int = 3,
@@ -213,25 +233,37 @@ def peak_memory(run: Callable[[Any], Any], setup: Callable[[int], Any] = lambda 
     return int(torch.cuda.max_memory_allocated() - base)
 
 
-def measure_peaks(matmul_n: int = 8192, copy_bytes: int = 1 << 30, reps: int = 10) -> Peaks:
-    """Measure the bf16 matmul rate (TFLOP/s) and device copy bandwidth (GB/s) of the current GPU.
+def measure_peaks(matmul_n: int = 8192, copy_bytes: int = 1 << 30, reps: int = 10,
+                  dtypes: Sequence[str] = ("bf16",)) -> Peaks:
+    """Measure the matmul rate (TFLOP/s) of bf16 and of each of ``dtypes`` (``--dtype`` names) and the
+    device copy bandwidth (GB/s) of the current GPU.
 
     Random operands (zeros run faster than real data), 3 warm-ups, median of ``reps`` event-timed runs.
-    These measured ceilings, not datasheet numbers, set the roofline floor (Williams et al. 2009).
+    fp32 runs with TF32 exactly when ``torch.backends.cudnn.allow_tf32`` is on, as the timed fp32
+    convolutions do (:attr:`Peaks.fp32_math`). These measured ceilings, not datasheet numbers, set the
+    roofline floor of each dtype (Williams et al. 2009).
     """
-    a = torch.randn(matmul_n, matmul_n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(matmul_n, matmul_n, device="cuda", dtype=torch.bfloat16)
-    mm_ms = statistics.median(time_cuda(lambda _: torch.mm(a, b), warmup=3, reps=reps, max_s=5.0))
-    a = b = None  # free the operands before the copy buffers
+    def matmul(name: str) -> float:
+        a = torch.randn(matmul_n, matmul_n, device="cuda", dtype=dtype_from_name(name))
+        b = torch.randn_like(a)
+        ms = statistics.median(time_cuda(lambda _: torch.mm(a, b), warmup=3, reps=reps, max_s=5.0))
+        return 2 * matmul_n**3 / (ms * 1e-3) / 1e12
+
+    tf32 = torch.backends.cudnn.allow_tf32
+    old, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, tf32
+    try:
+        rates = {name: matmul(name) for name in dict.fromkeys(("bf16", *dtypes))}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
     src = torch.randn(copy_bytes // 2, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     cp_ms = statistics.median(time_cuda(lambda _: dst.copy_(src), warmup=3, reps=reps, max_s=5.0))
     src = dst = None
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     torch.cuda.empty_cache()
-    return Peaks(tflops=2 * matmul_n**3 / (mm_ms * 1e-3) / 1e12, gbps=2 * copy_bytes / (cp_ms * 1e-3) / 1e9,
+    return Peaks(tflops=rates["bf16"], gbps=2 * copy_bytes / (cp_ms * 1e-3) / 1e9,
                  matmul_n=matmul_n, copy_bytes=copy_bytes, l2_bytes=int(getattr(props, "L2_cache_size", 50 << 20)),
-                 sm_count=props.multi_processor_count)
+                 sm_count=props.multi_processor_count, matmul_tflops=rates, fp32_math="tf32" if tf32 else "ieee")
 
 
 def configure_dynamo() -> None:
@@ -447,7 +479,7 @@ class LayerHarness:
     ``torch.autograd.grad`` returns fresh gradients, so no call pays for accumulating into ``.grad``.
     """
 
-    def __init__(self, module: nn.Module, x_shape: tuple, dtype: torch.dtype, l2_bytes: int, pool_cap: int = 16,
+    def __init__(self, module: nn.Module, x_shape: tuple, dtype: torch.dtype, l2_bytes: int, pool_cap: Optional[int] = None,
                  provider: Optional[str] = None):
         self.module = module
         self.provider = provider
@@ -517,7 +549,7 @@ class StepHarness:
     """
 
     def __init__(self, spec: ModelSpec, provider: str, batch: int, dtype: torch.dtype, l2_bytes: int,
-                 pool_cap: int = 4, graph_warmup: int = 3):
+                 pool_cap: Optional[int] = None, graph_warmup: int = 3):
         if provider not in MODEL_PROVIDERS:
             raise ValueError(f"unknown model provider {provider!r}; expected one of {MODEL_PROVIDERS}")
         if provider.endswith("-cudagraph") and not spec.cifar:

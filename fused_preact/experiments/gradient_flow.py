@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import sys
 from typing import Callable, Optional
@@ -192,9 +191,26 @@ def plot_gradient_flow(results: dict[str, list[dict]], path: str, title: Optiona
     return path
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an int ≥ 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    """Command-line arguments of ``python -m fused_preact.experiments.gradient_flow``."""
-    from fused_preact.experiments.variants import SHORTCUTS, UNITS
+    """Command-line arguments of ``python -m fused_preact.experiments.gradient_flow``. Builds nothing:
+    the Triton kernels are not imported here (``main`` sets ``TRITON_INTERPRET`` afterwards).
+
+    Raises:
+        SystemExit: ``--help`` (status 0), or an invalid argument (status 2, argparse's usage message):
+            a depth that does not fit the unit form (``--bottleneck``), a count below 1.
+    """
+    from fused_preact.experiments.variants import SHORTCUTS, UNITS, _units_per_stage
 
     p = argparse.ArgumentParser(
         prog="python -m fused_preact.experiments.gradient_flow",
@@ -211,19 +227,25 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help=f"shortcuts, of: {', '.join(SHORTCUTS)} (default: identity)")
     p.add_argument("--bottleneck", choices=["auto", "yes", "no"], default="auto",
                    help="unit form (default auto: bottleneck exactly when depth >= 164)")
-    p.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
-    p.add_argument("--image-size", type=int, default=32, help="input height and width (default 32)")
+    p.add_argument("--batch", type=_positive_int, default=8, help="batch size (default 8)")
+    p.add_argument("--image-size", type=_positive_int, default=32, help="input height and width (default 32)")
     p.add_argument("--data", choices=["random", "digits"], default="random",
                    help="random: seeded N(0,1) CIFAR-sized images and labels; digits: scikit-learn's bundled digits")
-    p.add_argument("--num-classes", type=int, default=10)
+    p.add_argument("--num-classes", type=_positive_int, default=10)
     p.add_argument("--seed", type=int, default=0, help="seed for data and weights (default 0)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--fused", action="store_true",
                    help="build the fused model for full_preact+identity (default: eager, same math)")
     p.add_argument("--out", help="write the plot to this PNG (needs matplotlib)")
     p.add_argument("--json", help="write the results to this JSON file")
-    p.add_argument("--rows", type=int, default=24, help="table rows per model (evenly spaced blocks; default 24)")
-    return p.parse_args(argv)
+    p.add_argument("--rows", type=_positive_int, default=24, help="table rows per model (evenly spaced blocks; default 24)")
+    args = p.parse_args(argv)
+    for depth in args.depth:
+        try:
+            _units_per_stage(depth, {"yes": True, "no": False}.get(args.bottleneck, depth >= 164))
+        except ValueError as e:
+            p.error(f"argument --depth: {e} (e.g. 8, 14, 20, 56, 110, or 164, 1001 with bottlenecks)")
+    return args
 
 
 def _batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
@@ -242,7 +264,8 @@ def run(args: argparse.Namespace) -> dict[str, list[dict]]:
     """Build every depth × unit × shortcut model, measure :func:`gradient_flow` on one batch.
 
     Every model is seeded with ``args.seed`` before construction and sees the same batch. Returns
-    label (``"<unit>+<shortcut> d<depth>"``) → per-block results.
+    label (``"<unit>+<shortcut> d<depth>"``) → per-block results. Prints, for each fused build, the
+    backends its modules ran (and any fallback reason).
 
     Raises:
         ValueError: an invalid depth. ImportError: ``--data digits`` without scikit-learn.
@@ -261,7 +284,12 @@ def run(args: argparse.Namespace) -> dict[str, list[dict]]:
                 fused = None if args.fused else False
                 model = preact_resnet_cifar_variant(depth, unit, shortcut, args.num_classes, bottleneck, fused=fused)
                 model.to(device).train()
-                results[f"{unit}+{shortcut} d{depth}"] = gradient_flow(model, x, y)
+                label = f"{unit}+{shortcut} d{depth}"
+                results[label] = gradient_flow(model, x, y)
+                ran = sorted({(str(m.last_backend), m.fallback_reason or "") for m in model.modules()
+                              if hasattr(m, "last_backend")})
+                if ran:
+                    print(f"{label}: fused modules ran " + "; ".join(b + (f" (fallback: {r})" if r else "") for b, r in ran))
     return results
 
 
@@ -285,11 +313,13 @@ def _table(results: dict[str, list[dict]], rows: int) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``python -m fused_preact.experiments.gradient_flow``; returns the exit status (0 on success)."""
+    from fused_preact.experiments.main_job import enable_triton_interpreter
+
     args = parse_args(argv)
     if args.fused and not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            print("warning: triton was imported before TRITON_INTERPRET was set; fused kernels cannot run on CPU")
+        warning = enable_triton_interpreter()  # before run(), which builds the kernels
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
     results = run(args)
     build = "fused where available" if args.fused else "eager (fused=False)"
     print(f"gradient flow, one batch of {args.batch} ({args.data} data, {args.image_size}x{args.image_size}), "

@@ -18,27 +18,30 @@ eager's within ``--tolerance-soak`` and, on CUDA, the allocated device memory mu
 the warm-up steps (by more than 1 MiB).
 
 Without CUDA the fused build runs the Triton kernels through Triton's interpreter
-(``TRITON_INTERPRET=1`` is set before triton is imported) with a small default depth and few steps;
-that is a real end-to-end test of the kernels, but its timings are CPU timings and say nothing about
-GPU speed.
+(``TRITON_INTERPRET=1`` is set before fused_preact's kernels are built; called in a process that built
+them compiled, :func:`main` warns, and the fused modules fall back, as the printed paths say) with a
+small default depth and few steps; that is a real end-to-end test of the kernels, but its timings are
+CPU timings and say nothing about GPU speed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
-__all__ = ["CPU_DEFAULTS", "CUDA_DEFAULTS", "main", "parse_args", "run", "verdict"]
+__all__ = ["CPU_DEFAULTS", "CUDA_DEFAULTS", "main", "parse_args", "run", "verdict", "max_rel_divergence",
+           "enable_triton_interpreter"]
 
 #: Defaults without CUDA: the fused build runs the Triton kernels in Triton's interpreter, about
 #: 1000× slower than a GPU, so the run is small (1 block per stage, the digits at their native 8×8,
-#: few steps, a small eval set). ``python -m fused_preact`` took 72 s with these on 2 busy CPU cores
-#: (see README); change them here (or on the command line) to trade time for coverage.
+#: few steps, a small eval set). ``python -m fused_preact`` took 5 min 25 s with these on 2 busy CPU
+#: cores (docs/cpu.md); change them here (or on the command line) to trade time for coverage.
 CPU_DEFAULTS = dict(depth=8, steps=8, batch_size=32, image_size=8, eval_size=128)
 #: Defaults with CUDA (compiled kernels).
 CUDA_DEFAULTS = dict(depth=20, steps=50, batch_size=128, image_size=32, eval_size=512)
@@ -61,6 +64,37 @@ def _depth(text: str) -> int:
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"{e} (e.g. 8, 14, 20, 56, 110, or 164, 1001 with bottlenecks)") from None
     return depth
+
+
+def enable_triton_interpreter() -> Optional[str]:
+    """For a run without CUDA: set ``TRITON_INTERPRET=1`` (unless set already) so the fused build runs
+    the Triton kernels in Triton's interpreter. That works only before fused_preact's kernels are built
+    (``fused_preact.ops`` imported: :func:`fused_preact.ops._common.triton_mode` is fixed then).
+
+    Returns:
+        None when the kernels will run in the interpreter; otherwise a warning saying why they cannot
+        (they were built compiled, or ``TRITON_INTERPRET`` is set to ``0``).
+    """
+    built = sys.modules.get("fused_preact.ops._common")
+    if built is None:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if os.environ["TRITON_INTERPRET"] not in ("", "0"):
+            return None
+        cause = f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET']!r} is set"
+    elif built.triton_mode() == "interpreter":
+        return None
+    else:
+        cause = (f"fused_preact's Triton kernels were built {built.triton_mode()} (fused_preact.ops was imported "
+                 "before TRITON_INTERPRET=1 was set)")
+    return (f"{cause}, so without CUDA the fused modules cannot run the Triton kernels (the backends that ran are "
+            "printed with the results); set TRITON_INTERPRET=1 before fused_preact is first imported")
+
+
+def max_rel_divergence(losses: Sequence[float], reference: Sequence[float]) -> float:
+    """Largest ``|a − b| / max(|b|, 1e-8)`` over paired steps (0.0 for none); NaN if any step's is NaN
+    (a NaN loss in either run), so that no comparison with a limit can pass."""
+    rel = [abs(a - b) / max(abs(b), 1e-8) for a, b in zip(losses, reference)]
+    return math.nan if any(math.isnan(r) for r in rel) else max(rel, default=0.0)
 
 
 def _data_dir(text: str) -> str:
@@ -92,15 +126,17 @@ def parse_args(argv: Optional[list[str]] = None, cuda: bool = False) -> argparse
                         "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz); "
                         "without it (%(default)s): scikit-learn's bundled 8×8 digits")
     p.add_argument("--depth", type=_depth, default=d["depth"],
-                   help="CIFAR PreActResNet depth: 6n+2 (basic blocks), or 9n+2 ≥ 164 (bottlenecks)")
+                   help="CIFAR PreActResNet depth: 6n+2 below 164 (basic blocks), 9n+2 from 164 on (bottlenecks)")
     p.add_argument("--steps", type=int, default=d["steps"], help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=d["batch_size"], help="images per step")
+    p.add_argument("--batch-size", type=int, default=d["batch_size"],
+                   help="images per step (at most the training split: a larger value is capped, and the run says so)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     p.add_argument("--weight-decay", type=float, default=5e-4, help="SGD weight decay")
     p.add_argument("--image-size", type=int, default=d["image_size"],
                    help="the digits are resized to this (CIFAR-10 is always 32)")
-    p.add_argument("--eval-size", type=int, default=d["eval_size"], help="test images of the eval-mode comparison")
+    p.add_argument("--eval-size", type=int, default=d["eval_size"],
+                   help="test images of the eval-mode comparison (at most the test split)")
     p.add_argument("--channels-last", action="store_true", help="NHWC activations")
     p.add_argument("--backend", default="auto", choices=["auto", *BACKENDS], help="backend of the fused build")
     p.add_argument("--device", default="cuda" if cuda else "cpu", help="torch device of all builds")
@@ -127,7 +163,24 @@ def parse_args(argv: Optional[list[str]] = None, cuda: bool = False) -> argparse
     problem = _device_problem(args.device)
     if problem:
         p.error(f"argument --device: {problem}")
+    if args.json:
+        problem = _unwritable(args.json)
+        if problem:
+            p.error(f"argument --json: {problem}")
     return args
+
+
+def _unwritable(path: str) -> Optional[str]:
+    """Why the results cannot be written to ``path`` (None if they can): checked before the run, so
+    that a long run's results are not lost at the end."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{path!r} is a folder"
+    if not os.path.isdir(folder):
+        return f"no such folder: {folder!r}"
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"{path!r} is not writable"
+    return None
 
 
 def soak_passes(tail_rel_divergence: float, tolerance: float, growth_bytes: Optional[int]) -> bool:
@@ -192,14 +245,16 @@ def run(args: argparse.Namespace) -> dict:
     """Train the builds in lockstep and compare them.
 
     Returns a dict: ``losses`` (per build, per-step fp32 training loss), ``max_rel_divergence``
-    (largest |fused − eager|/|eager| over the steps), ``fp64_noise_floor`` (the same for eager fp32 vs
-    the float64 twin, or None), ``eval`` / ``eval_rel_divergence`` / ``eval_fp64_noise_floor`` (test
-    loss and accuracy in eval mode on the first ``eval_size`` test images), ``limit`` / ``eval_limit``
-    (the largest divergence accepted: ``max(tolerance, 2 × floor)``), ``median_step_ms`` (wall ms per
-    step after 3 warm-up steps),
+    (largest |fused − eager|/|eager| over the steps, NaN if a step's loss is NaN:
+    :func:`max_rel_divergence`), ``fp64_noise_floor`` (the same for eager fp32 vs the float64 twin, or
+    None), ``eval`` / ``eval_rel_divergence`` / ``eval_fp64_noise_floor`` (test loss and accuracy in eval
+    mode on the first ``eval_size`` test images), ``limit`` / ``eval_limit`` (the largest divergence
+    accepted: ``max(tolerance, 2 × floor)``), ``median_step_ms`` (wall ms per step after 3 warm-up steps),
     ``peak_step_mem_bytes`` (CUDA: peak allocation above the step's start, bytes; None on CPU),
-    ``fused_paths`` (backend that ran and any fallback reason), ``ok`` (the pass rule of the module
-    docstring), and the run's settings.
+    ``fused_paths`` (backend that ran and any fallback reason), ``triton_interpret`` (the Triton kernels
+    were built for Triton's interpreter), ``ok`` (the pass rule of the module docstring; a NaN divergence
+    fails it), and the run's settings: ``batch_size`` is the batch used (``--batch-size`` capped at the
+    training split; ``batch_size_requested`` the argument), ``eval_size`` likewise (capped at the test split).
 
     Raises:
         FileNotFoundError / ImportError: from the data loaders.
@@ -209,6 +264,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from fused_preact.experiments.data import load_cifar10, load_digits
     from fused_preact.models import preact_resnet_cifar
+    from fused_preact.ops._common import triton_mode
 
     try:
         from tqdm import tqdm
@@ -236,7 +292,9 @@ def run(args: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(args.seed)
     n = data.train_x.shape[0]
     order = torch.randperm(n, generator=gen)
-    print(f"data: {data.name}; model: PreActResNet-{args.depth} (CIFAR); batch {args.batch_size}; "
+    batch = min(args.batch_size, n)
+    capped = f" (--batch-size {args.batch_size} capped at the {n}-image training split)" if batch < args.batch_size else ""
+    print(f"data: {data.name}; model: PreActResNet-{args.depth} (CIFAR); batch {batch}{capped}; "
           f"{args.steps} steps; device {device}")
 
     losses = {name: [] for name in builds}
@@ -248,10 +306,10 @@ def run(args: argparse.Namespace) -> dict:
     write = tqdm.write if tqdm is not None else print
     pos = 0
     for step in bar:
-        if pos + args.batch_size > n:
+        if pos + batch > n:
             order, pos = torch.randperm(n, generator=gen), 0
-        idx = order[pos:pos + args.batch_size]
-        pos += args.batch_size
+        idx = order[pos:pos + batch]
+        pos += batch
         x = data.train_x[idx].to(device).contiguous(memory_format=fmt)
         y = data.train_y[idx].to(device)
         for name, model in builds.items():
@@ -278,9 +336,7 @@ def run(args: argparse.Namespace) -> dict:
     paths = sorted({(m.last_backend, m.fallback_reason) for m in fused.modules() if hasattr(m, "last_backend")},
                    key=str)
     def divergence(a: str, b: str) -> tuple[float, float]:
-        rel = [abs(u - v) / max(abs(v), 1e-8) for u, v in zip(losses[a], losses[b])]
-        ev = abs(eval_loss[a][0] - eval_loss[b][0]) / max(abs(eval_loss[b][0]), 1e-8)
-        return max(rel, default=0.0), ev
+        return max_rel_divergence(losses[a], losses[b]), max_rel_divergence([eval_loss[a][0]], [eval_loss[b][0]])
 
     div, eval_div = divergence("fused", "eager")
     floor, eval_floor = divergence("eager", "eager_fp64") if "eager_fp64" in builds else (0.0, 0.0)
@@ -289,9 +345,10 @@ def run(args: argparse.Namespace) -> dict:
         "data": data.name,
         "depth": args.depth,
         "steps": args.steps,
-        "batch_size": args.batch_size,
+        "batch_size": batch,
+        "batch_size_requested": args.batch_size,
         "device": str(device),
-        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        "triton_interpret": triton_mode() == "interpreter",
         "fused_paths": [{"backend": b, "fallback_reason": r} for b, r in paths],
         "losses": losses,
         "max_rel_divergence": div,
@@ -346,7 +403,9 @@ def _report(r: dict) -> None:
     if r["mem_growth_bytes"] is not None:
         print(f"device memory allocated after the warm-up steps grew by {r['mem_growth_bytes']} bytes")
     if not r["device"].startswith("cuda"):
-        print("note: these are CPU timings (the fused kernels ran in Triton's interpreter); "
+        ran = sorted({str(p["backend"]) for p in r["fused_paths"]})
+        ran = [b + (" in Triton's interpreter" if b == "triton" and r["triton_interpret"] else "") for b in ran]
+        print(f"note: these are CPU timings (the fused build ran {' and '.join(ran) or 'no fused module'}); "
               "they say nothing about GPU speed — run on a CUDA machine for timings.")
     for line in verdict(r):
         print(line)
@@ -360,8 +419,11 @@ def verdict(r: dict) -> list[str]:
     """
     head = "OK: eager and fused trajectories match" if r["ok"] else "FAIL: eager and fused trajectories diverge"
     if r["soak"]:
+        growth = r.get("mem_growth_bytes")
+        memory = (f"device memory growth after the warm-up ≤ 1 MiB (this run: {growth} bytes)" if growth is not None
+                  else "device memory not measured (CPU)")
         return [head, f"pass rule (--soak): tail-mean loss divergence {r['tail_rel_divergence']:.2e} ≤ "
-                      f"{r['tolerance_soak']:.1e} and device memory growth ≤ 1 MiB"]
+                      f"{r['tolerance_soak']:.1e}; {memory}"]
 
     def rule(what: str, div: float, floor: Optional[float], limit: float) -> str:
         sign = "≤" if div <= limit else ">"
@@ -386,10 +448,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     import torch
 
     cuda = torch.cuda.is_available()
-    if not cuda:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    if "triton" in sys.modules and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        print("warning: triton was imported before TRITON_INTERPRET was set; fused kernels cannot run on CPU")
+    warning = None if cuda else enable_triton_interpreter()  # before parse_args, which builds the kernels
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     args = parse_args(argv, cuda)
     result = run(args)
     _report(result)

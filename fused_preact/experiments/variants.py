@@ -60,8 +60,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fused_preact.models import preact_resnet_cifar
-
 __all__ = [
     "UNITS",
     "SHORTCUTS",
@@ -495,6 +493,8 @@ def preact_resnet_cifar_variant(depth: int, unit: str = "full_preact", shortcut:
     if bottleneck is None:
         bottleneck = depth >= 164
     n = _units_per_stage(depth, bottleneck)
-    if fusable:
+    if fusable:  # imported here: importing this module must not build the Triton kernels (gradient_flow's CLI
+        from fused_preact.models import preact_resnet_cifar  # sets TRITON_INTERPRET after parsing its arguments)
+
         return preact_resnet_cifar(depth, num_classes, fused=fused, backend=backend, bottleneck=bottleneck)
     return ResNetVariant(unit, shortcut, [n, n, n], [16, 32, 64], bottleneck, num_classes, **shortcut_options)
