@@ -83,7 +83,11 @@ class DispatchReport(list):
     ``source`` is a :class:`fused_preact.ops.auto.Decision`'s source (``measured``, ``disk cache``,
     ``process``, ``rank 0``, ``capture``, ``compile``, ``static``), ``priority`` for an ``auto`` choice
     made by the static order (nothing measured: ``FUSED_PREACT_DISPATCH=priority``, a device that is not
-    measured, one candidate), ``forced`` for a named backend. ``str()`` gives one line per entry.
+    measured, one candidate), ``forced`` for a named backend, ``last call`` for a module's latest call
+    when it ran something no cached entry says (an eager fallback decided before the plan cache —
+    hooks, child types, a shortcut the chains do not take — or a cached choice overruled for one call,
+    e.g. by forward-mode AD). ``requested``/``memory`` are those the entry was decided under.
+    ``str()`` gives one line per entry.
     """
 
     def __str__(self) -> str:
@@ -105,6 +109,11 @@ class DispatchReport(list):
         return "\n".join(lines)
 
 
+def _requested_of(key: tuple) -> tuple:
+    """(backend, memory policy) a plan-cache signature was decided under (see ``ops.run._signature``)."""
+    return key[0] if isinstance(key[0], tuple) else (key[0], "fastest")
+
+
 def dispatch_report(model: nn.Module) -> DispatchReport:
     """Per fused module of ``model`` (any module holding a plan cache: the fused modules, converted
     blocks and Sequentials) and per input signature it has run: the backend that ran and, for
@@ -115,16 +124,25 @@ def dispatch_report(model: nn.Module) -> DispatchReport:
         plans = getattr(m, "_plans", None)
         if not isinstance(plans, PlanCache):
             continue
-        requested = getattr(m, "backend", None)
-        for choice, _ in list(plans.values()):
+        for key, (choice, _) in list(plans.items()):
+            requested, memory = _requested_of(key)
             d = getattr(choice, "decision", None)
             source = d.source if d is not None else ("priority" if requested == "auto" else "forced")
             report.append(dict(
-                module=name, type=type(m).__name__, requested=requested, memory=getattr(m, "memory", "fastest"),
+                module=name, type=type(m).__name__, requested=requested, memory=memory,
                 runs=choice.name, reason=choice.reason, source=source,
                 signature=d.signature if d is not None else None, timed=d.timed if d is not None else None,
                 note=d.note if d is not None else None,
                 candidates=[dataclasses.asdict(c) for c in d.candidates] if d is not None else []))
+        if plans.last is not None:
+            key, runs, reason = plans.last
+            cached = plans.get(key) if key is not None else None
+            if cached is None or (cached[0].name, cached[0].reason) != (runs, reason):
+                requested, memory = (_requested_of(key) if key is not None
+                                     else (getattr(m, "backend", None), getattr(m, "memory", "fastest")))
+                report.append(dict(module=name, type=type(m).__name__, requested=requested, memory=memory, runs=runs,
+                                   reason=reason, source="last call", signature=None, timed=None, note=None,
+                                   candidates=[]))
     return report
 
 

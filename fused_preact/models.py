@@ -6,6 +6,8 @@ final BN → ReLU before global average pooling, as timm's ``resnetv2`` with ``p
 CIFAR networks (He et al. 2016, §4 and Table 2/3): 3×3 stem conv to 16 channels, three stages of
 widths 16/32/64 — basic blocks, (depth−2)/6 per stage (``preact_resnet110``), or bottlenecks,
 (depth−2)/9 per stage with output widths 64/128/256 (``preact_resnet164``, ``preact_resnet1001``).
+A bottleneck downsamples in its 3×3 conv (as timm and torchvision do); the paper's own code
+(``resnet-pre-act.lua``) strides its first 1×1 conv instead: same parameters, other FLOPs.
 
 Every factory takes ``fused=True|False``: the two builds have identical architecture and parameter
 names (``stem.0.weight``, ``layer1.0.bn1.weight``, …, ``bn.weight``, ``fc.weight``), so a state_dict
@@ -96,7 +98,8 @@ class PreActResNet(nn.Module):
             (``groups=1, base_width=64``: a ResNet). Basic blocks require the defaults.
 
     Raises:
-        ValueError: unknown ``block``/``stem``, or ``groups``/``base_width`` given for basic blocks.
+        ValueError: unknown ``block``/``stem``, ``groups``/``base_width`` given for basic blocks, or
+            ``layers``/``widths`` not one positive entry each per stage.
 
     Input (N, 3, H, W) float, NCHW or channels_last; output (N, num_classes) logits.
     """
@@ -110,6 +113,11 @@ class PreActResNet(nn.Module):
             raise ValueError(f"basic blocks support only groups=1, base_width=64 (got {groups}, {base_width})")
         if stem not in ("imagenet", "cifar"):
             raise ValueError(f"stem must be 'imagenet' or 'cifar', got {stem!r}")
+        if len(layers) != len(widths) or not layers:
+            raise ValueError(f"layers and widths must have one entry per stage, got {len(layers)} and {len(widths)}")
+        if any(n < 1 for n in layers) or any(w < 1 for w in widths):
+            raise ValueError(f"every stage needs at least one block and a positive width, got layers={list(layers)}, "
+                             f"widths={list(widths)}")
         cls: Type[nn.Module]
         if fused:
             cls = FusedPreActBlock if block == "basic" else FusedPreActBottleneck

@@ -36,6 +36,7 @@ from fused_preact.ops import (
     select_backend,
 )
 from fused_preact.ops.auto import check_memory
+from fused_preact.ops.backends import check_backend
 from fused_preact.ops.chain import ChainResult
 from fused_preact.ops.spec import check_running_buffers, projection_problem
 from fused_preact.ops.sync_stats import sync_bn_statistics, sync_enabled
@@ -171,10 +172,12 @@ def run_units(owner: nn.Module, x: torch.Tensor, units: list, proj: Optional[nn.
     if proj_problem is not None:
         eager_reasons.append(proj_problem)
     if eager_reasons:
-        if owner.backend not in ("auto", "reference"):
+        if check_backend(owner.backend) not in ("auto", "reference"):
             raise RuntimeError(f"fused_preact: backend={owner.backend!r} cannot serve this module: "
                                + "; ".join(eager_reasons))
         _record(owner, "reference", "; ".join(eager_reasons), x)
+        if not torch.compiler.is_compiling():
+            owner._plans.last = (None, "reference", "; ".join(eager_reasons))
         return _eager_units(x, units, proj, proj_out, residual)
     if any(sync_enabled(bn) for bn, _ in units):
         result = _synchronized_units(owner, x, units, proj, proj_out, residual)
@@ -335,18 +338,24 @@ def init_fused_state(module: nn.Module, backend: str, memory: str = "fastest") -
     ``fallback_reason``, plan caches).
 
     Raises:
-        ValueError: ``memory`` is not ``"fastest"`` or ``"lean"``.
+        ValueError: ``memory`` is not ``"fastest"`` or ``"lean"``; ``backend`` is not ``"auto"`` or a name
+            in :data:`fused_preact.ops.BACKENDS`.
     """
     module.memory = check_memory(memory)
-    module.backend = backend
+    module.backend = check_backend(backend)
     module.last_backend = None
     module.fallback_reason = None
     module._plans = PlanCache()
 
 
 def backend_path(module: nn.Module) -> str:
-    """Which path the module's forward takes for an input on its parameters' device and dtype
-    (outside autocast): ``"triton"``, or ``"reference (<why the others refuse>)"``."""
+    """Which path the module's forward takes: ``"triton"``, or ``"reference (<why the others refuse>)"``.
+    After a call, what that call ran (``last_backend`` and ``fallback_reason``); before the first call,
+    the backend an input on the parameters' device and dtype would get (outside autocast), which the
+    module's geometry, hooks or child types can still overrule."""
+    if getattr(module, "last_backend", None) is not None:
+        reason = module.fallback_reason
+        return module.last_backend if reason is None else f"{module.last_backend} ({reason})"
     p = next(module.parameters(), None)
     device, dtype = (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
     probe = torch.empty(1, device=device, dtype=dtype).expand(1, 8, 1, 1)

@@ -12,6 +12,7 @@ from fused_preact import FusedPreActBlock, FusedPreActBottleneck
 from fused_preact.models import (
     PreActBlock,
     PreActBottleneck,
+    PreActResNet,
     preact_resnet18,
     preact_resnet50,
     preact_resnet110,
@@ -55,6 +56,14 @@ def test_cifar_factory_structure(depth, block):
 def test_invalid_depth():
     with pytest.raises(ValueError, match="depth 21 invalid"):
         preact_resnet_cifar(21)
+
+
+@pytest.mark.parametrize("layers,widths", [([1, 1, 1], [16, 32]), ([1, 1], [16, 32, 64]), ([-3, 1], [16, 32]),
+                                           ([1, 0], [16, 32]), ([], [])])
+def test_stage_lists_must_match(layers, widths):
+    for fused in (True, False):
+        with pytest.raises(ValueError, match="layers"):
+            PreActResNet("basic", layers, widths, "cifar", 16, 10, fused=fused)
 
 
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)

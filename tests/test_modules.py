@@ -310,6 +310,53 @@ def test_repr_and_report_say_which_path_runs():
     assert "runs='triton'" in repr(m)  # the interpreter is on in this test session
     m64 = FusedBNReLUConv2d(4, 4, 3, backend="auto").double()
     assert "runs='reference (triton: dtype torch.float64" in repr(m64)
+    # After a call, what that call ran: a hook on a child overrules the device check.
+    m.conv.register_forward_pre_hook(lambda mod, args: None)
+    m(torch.randn(2, 4, 5, 5))
+    assert "runs='reference (hooks:" in repr(m), repr(m)
+
+
+def test_dispatch_report_names_calls_that_ran_eagerly():
+    """The report lists every cached decision under the backend it was decided for, and a module's
+    latest call when that call ran something no cached entry says (an eager fallback decided before
+    the plan cache, or a cached plan overruled by forward-mode AD)."""
+    from fused_preact import dispatch_report
+
+    x = torch.randn(2, 4, 5, 5, device=DEVICE)
+    hooked = FusedBNReLUConv2d(4, 4, 3, backend="auto").to(DEVICE)
+    hooked.conv.register_forward_hook(lambda mod, args, out: None)
+    hooked(x)
+    (e,) = dispatch_report(hooked)
+    assert (e["runs"], e["source"]) == ("reference", "last call") and "hooks" in e["reason"]
+
+    m = FusedBNReLUConv2d(4, 4, 3, backend="auto").to(DEVICE)
+    m(x)
+    (first,) = dispatch_report(m)
+    assert first["runs"] == m.last_backend != "reference"
+    with torch.autograd.forward_ad.dual_level():
+        m(torch.autograd.forward_ad.make_dual(x, torch.randn_like(x)))
+    assert m.last_backend == "reference"
+    cached, last = dispatch_report(m)
+    assert cached["runs"] == first["runs"] and (last["runs"], last["source"]) == ("reference", "last call")
+    assert "forward-mode AD" in last["reason"]
+    m(x)  # the cached plan runs again: no separate entry
+    assert [e["runs"] for e in dispatch_report(m)] == [first["runs"]]
+
+    m.backend = "reference"
+    m(x)
+    entries = dispatch_report(m)
+    assert [(e["requested"], e["runs"]) for e in entries] == [("auto", first["runs"]), ("reference", "reference")]
+    assert [e["source"] for e in entries] == ["priority", "forced"]
+
+
+def test_unknown_backend_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown backend 'trition'"):
+        FusedPreActBlock(4, 4, backend="trition")
+    m = FusedBNReLUConv2d(4, 4, 3)
+    m.backend = "trition"
+    m.conv.register_forward_pre_hook(lambda mod, args: None)  # an eager fallback decided before any lookup
+    with pytest.raises(ValueError, match="unknown backend 'trition'"):
+        m(torch.randn(2, 4, 5, 5, device=DEVICE).to(next(m.parameters()).device))
 
 
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)

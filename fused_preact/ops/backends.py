@@ -41,7 +41,7 @@ from fused_preact.ops.spec import (
 )
 from fused_preact.ops.triton.plan import TritonPlan
 
-__all__ = ["Plan", "Backend", "TritonBackend", "CudaBackend", "RecomputeBackend", "ReferenceBackend", "BACKENDS",
+__all__ = ["check_backend", "Plan", "Backend", "TritonBackend", "CudaBackend", "RecomputeBackend", "ReferenceBackend", "BACKENDS",
            "PRIORITY", "BackendChoice", "select_backend", "PlanCache"]
 
 
@@ -261,6 +261,17 @@ class BackendChoice(NamedTuple):
         return "; ".join(self.skipped) if self.skipped else None
 
 
+def check_backend(requested: str) -> str:
+    """``requested`` if it is ``"auto"`` or a name in :data:`BACKENDS`.
+
+    Raises:
+        ValueError: another value.
+    """
+    if requested != "auto" and requested not in BACKENDS:
+        raise ValueError(f"fused_preact: unknown backend {requested!r}; expected 'auto' or one of {list(BACKENDS)}")
+    return requested
+
+
 def select_backend(requested: str, x: torch.Tensor, spec: Optional[ChainSpec] = None,
                    dtype: Optional[torch.dtype] = None) -> BackendChoice:
     """Pick the backend for input ``x`` (N, C, H, W) running ``spec`` in compute dtype ``dtype``
@@ -278,8 +289,7 @@ def select_backend(requested: str, x: torch.Tensor, spec: Optional[ChainSpec] = 
                 return BackendChoice(BACKENDS[name], tuple(skipped))
             skipped.extend(reasons)
         raise RuntimeError("fused_preact: no backend can serve this input: " + "; ".join(skipped))
-    if requested not in BACKENDS:
-        raise ValueError(f"fused_preact: unknown backend {requested!r}; expected 'auto' or one of {list(BACKENDS)}")
+    check_backend(requested)
     reasons = BACKENDS[requested].not_supported_reasons(x, spec, dtype)
     if reasons:
         raise RuntimeError(f"fused_preact: backend={requested!r} cannot serve this input: " + "; ".join(reasons))
@@ -288,7 +298,14 @@ def select_backend(requested: str, x: torch.Tensor, spec: Optional[ChainSpec] = 
 
 class PlanCache(dict):
     """Plans of one owner (a module, or the functional API), keyed by input signature. Copies and
-    pickles of the owner start with an empty cache (plans are cheap to rebuild, and bound to devices)."""
+    pickles of the owner start with an empty cache (plans are cheap to rebuild, and bound to devices).
+
+    ``last``: ``(signature or None, backend name, fallback reason)`` of the owner's latest call outside
+    ``torch.compile``; the signature is None for a call that ran eagerly before any lookup (hooks,
+    child module types, a shortcut the chains do not take), and the backend differs from the cached
+    entry's when the call overruled it (forward-mode AD)."""
+
+    last: Optional[tuple] = None
 
     def __deepcopy__(self, memo):
         return PlanCache()

@@ -148,6 +148,8 @@ def run_chain(requested: str, cache: PlanCache, spec: ChainSpec, x: torch.Tensor
         choice = BackendChoice(ReferenceBackend, choice.skipped + (
             "forward-mode AD (dual tensors): the fused kernels have no JVP; plain PyTorch ops",))
         plan = None
+    if not torch.compiler.is_compiling():
+        cache.last = (key, choice.name, choice.reason)
     if plan is None:
         return reference_chain(spec, x, t, modes), choice
     if torch.compiler.is_compiling():
