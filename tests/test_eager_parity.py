@@ -331,8 +331,11 @@ def test_batches_counted_without_running_buffers(kind):
 @pytest.mark.skipif(DEVICE != "cpu", reason="eager's mixed-dtype rule differs on CUDA; the probe follows the device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("what", ["buffers", "params"])
-def test_bn_in_another_dtype_raises_as_eager(dtype, what):
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_bn_in_another_dtype_raises_as_eager(dtype, what, train):
     fused, eager = _twins()
+    fused.train(train)
+    eager.train(train)
     for bn in (fused.bn, eager[0]):
         if what == "buffers":
             bn.running_mean, bn.running_var = bn.running_mean.to(dtype), bn.running_var.to(dtype)

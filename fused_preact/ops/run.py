@@ -64,8 +64,11 @@ def _check_like_eager(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: 
             src = torch.zeros(1, C, 1, 1, device=x.device, dtype=x.dtype if i == 0 else cd)
         rm, rv = t.running_means[i], t.running_vars[i]
         training = mode.kind == BATCH
-        with torch.no_grad():  # no graph: nothing saved for backward (a checkpoint counts saved tensors)
-            F.batch_norm(src.expand(2, C, 1, 1), rm.clone() if rm is not None else None,
+        # A materialized stand-in (an expanded one takes another CPU kernel, whose dtype check is an
+        # internal assert instead of eager's message); no graph: nothing saved for backward (a
+        # checkpoint counts saved tensors).
+        with torch.no_grad():
+            F.batch_norm(src.expand(2, C, 1, 1).contiguous(), rm.clone() if rm is not None else None,
                          rv.clone() if rv is not None else None, t.gammas[i], t.betas[i], training,
                          0.0 if t.momenta[i] is None else t.momenta[i], t.eps[i])
 
