@@ -93,7 +93,9 @@ class DispatchReport(list):
     def __str__(self) -> str:
         if not self:
             return "fused_preact.dispatch_report: no fused module has run yet"
-        lines = [f"fused_preact.dispatch_report: {len(self)} signature(s)"]
+        n = sum(e["source"] != "last call" for e in self)
+        lines = [f"fused_preact.dispatch_report: {n} signature(s)" + (f", {len(self) - n} other latest call(s)"
+                                                                     if n < len(self) else "")]
         for e in self:
             head = f"  {e['module'] or '<model>'} ({e['type']}): {e['runs']} [{e['source']}]"
             parts = []
@@ -134,15 +136,13 @@ def dispatch_report(model: nn.Module) -> DispatchReport:
                 signature=d.signature if d is not None else None, timed=d.timed if d is not None else None,
                 note=d.note if d is not None else None,
                 candidates=[dataclasses.asdict(c) for c in d.candidates] if d is not None else []))
-        if plans.last is not None:
-            key, runs, reason = plans.last
-            cached = plans.get(key) if key is not None else None
-            if cached is None or (cached[0].name, cached[0].reason) != (runs, reason):
-                requested, memory = (_requested_of(key) if key is not None
-                                     else (getattr(m, "backend", None), getattr(m, "memory", "fastest")))
-                report.append(dict(module=name, type=type(m).__name__, requested=requested, memory=memory, runs=runs,
-                                   reason=reason, source="last call", signature=None, timed=None, note=None,
-                                   candidates=[]))
+        last = plans.last
+        if last is not None:
+            cached = plans.get(last.key) if last.key is not None else None
+            if cached is None or (cached[0].name, cached[0].reason) != (last.runs, last.reason):
+                report.append(dict(module=name, type=type(m).__name__, requested=last.requested, memory=last.memory,
+                                   runs=last.runs, reason=last.reason, source="last call", signature=None, timed=None,
+                                   note=None, candidates=[]))
     return report
 
 

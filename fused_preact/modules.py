@@ -36,7 +36,7 @@ from fused_preact.ops import (
     select_backend,
 )
 from fused_preact.ops.auto import check_memory
-from fused_preact.ops.backends import check_backend
+from fused_preact.ops.backends import LastCall, check_backend_name
 from fused_preact.ops.chain import ChainResult
 from fused_preact.ops.spec import check_running_buffers, projection_problem
 from fused_preact.ops.sync_stats import sync_bn_statistics, sync_enabled
@@ -172,12 +172,13 @@ def run_units(owner: nn.Module, x: torch.Tensor, units: list, proj: Optional[nn.
     if proj_problem is not None:
         eager_reasons.append(proj_problem)
     if eager_reasons:
-        if check_backend(owner.backend) not in ("auto", "reference"):
+        if check_backend_name(owner.backend) not in ("auto", "reference"):
             raise RuntimeError(f"fused_preact: backend={owner.backend!r} cannot serve this module: "
                                + "; ".join(eager_reasons))
         _record(owner, "reference", "; ".join(eager_reasons), x)
         if not torch.compiler.is_compiling():
-            owner._plans.last = (None, "reference", "; ".join(eager_reasons))
+            owner._plans.last = LastCall(None, owner.backend, getattr(owner, "memory", "fastest"), "reference",
+                                         "; ".join(eager_reasons))
         return _eager_units(x, units, proj, proj_out, residual)
     if any(sync_enabled(bn) for bn, _ in units):
         result = _synchronized_units(owner, x, units, proj, proj_out, residual)
@@ -342,7 +343,7 @@ def init_fused_state(module: nn.Module, backend: str, memory: str = "fastest") -
             in :data:`fused_preact.ops.BACKENDS`.
     """
     module.memory = check_memory(memory)
-    module.backend = check_backend(backend)
+    module.backend = check_backend_name(backend)
     module.last_backend = None
     module.fallback_reason = None
     module._plans = PlanCache()
@@ -350,12 +351,13 @@ def init_fused_state(module: nn.Module, backend: str, memory: str = "fastest") -
 
 def backend_path(module: nn.Module) -> str:
     """Which path the module's forward takes: ``"triton"``, or ``"reference (<why the others refuse>)"``.
-    After a call, what that call ran (``last_backend`` and ``fallback_reason``); before the first call,
-    the backend an input on the parameters' device and dtype would get (outside autocast), which the
-    module's geometry, hooks or child types can still overrule."""
-    if getattr(module, "last_backend", None) is not None:
-        reason = module.fallback_reason
-        return module.last_backend if reason is None else f"{module.last_backend} ({reason})"
+    After a call under the module's current ``backend``/``memory`` (and no cache reset since: ``.to()``,
+    ``set_memory_policy``), what that call ran; otherwise the backend an input on the parameters'
+    device and dtype would get (outside autocast), which the module's geometry, hooks or child types can
+    still overrule."""
+    last = module._plans.last if isinstance(getattr(module, "_plans", None), PlanCache) else None
+    if last is not None and (last.requested, last.memory) == (module.backend, getattr(module, "memory", "fastest")):
+        return last.runs if last.reason is None else f"{last.runs} ({last.reason})"
     p = next(module.parameters(), None)
     device, dtype = (p.device, p.dtype) if p is not None else (torch.device("cpu"), torch.float32)
     probe = torch.empty(1, device=device, dtype=dtype).expand(1, 8, 1, 1)
@@ -445,8 +447,9 @@ class FusedBNReLUConv2d(FusedModuleBase):
     ``bn.bias``, ``bn.running_mean``, ``bn.running_var``, ``bn.num_batches_tracked``, ``conv.weight``
     (and ``conv.bias``).
 
-    Raises (in forward): ValueError for non-4D input or one value per channel in training;
-    RuntimeError for a wrong channel count or a forced backend that cannot serve the input.
+    Raises: ValueError at construction for an unknown ``backend`` or ``memory``; in forward, ValueError
+    for non-4D input or one value per channel in training, RuntimeError for a wrong channel count or a
+    forced backend that cannot serve the input.
     """
 
     def __init__(
@@ -506,6 +509,7 @@ class FusedPreActBlock(FusedModuleBase):
     computed once and feed both conv1 and the projection.
 
     Shapes: (N, in_planes, H, W) → (N, planes, ⌈H/stride⌉, ⌈W/stride⌉).
+    Raises: as :class:`FusedBNReLUConv2d` (an unknown ``backend`` or ``memory`` at construction).
     """
 
     expansion = 1

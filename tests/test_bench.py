@@ -285,6 +285,13 @@ def test_report_of_an_unreadable_file_is_refused(tmp_path, capsys, kind):
     assert f"cannot read --report {path}" in capsys.readouterr().err
 
 
+def test_report_of_results_that_are_not_a_list_is_refused(tmp_path, capsys):
+    path = tmp_path / "odd.json"
+    path.write_text('{"results": 5}')
+    assert bench.main(["--report", str(path)]) == 2
+    assert "not a valid results file" in capsys.readouterr().err  # was a TypeError traceback, exit 1
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--batch", "0"], "argument --batch: must be at least 1, got 0"),
     (["--batch", "-4"], "argument --batch: must be at least 1, got -4"),

@@ -182,6 +182,16 @@ def test_json_path_is_checked_before_the_run(tmp_path, capsys, where):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is for runs without CUDA")
+@pytest.mark.parametrize("value,off", [("false", True), ("0", True), ("yes", False)])
+def test_interpreter_switch_is_read_as_triton_reads_it(value, off):
+    """enable_triton_interpreter warns exactly when Triton will not interpret (any value it reads as off)."""
+    code = "from fused_preact.experiments.main_job import enable_triton_interpreter as f; print(repr(f()))"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, TRITON_INTERPRET=value))
+    assert p.returncode == 0, p.stderr
+    assert ("which Triton reads as off" in p.stdout) == off, p.stdout
+
+
 def test_kernels_built_compiled_before_main_warn_and_say_what_ran():
     """Called in a process that built the kernels compiled (no TRITON_INTERPRET), the job cannot switch
     to the interpreter: it warns, and its CPU note names the fallback that ran, not the interpreter."""

@@ -349,6 +349,29 @@ def test_dispatch_report_names_calls_that_ran_eagerly():
     assert [e["source"] for e in entries] == ["priority", "forced"]
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU modules run the kernels only through the interpreter")
+def test_repr_and_report_forget_calls_made_under_other_settings():
+    """What the last call ran is shown only while it still describes the module: not after ``.to()``
+    (the cache is rebuilt), a new ``backend`` or a new memory policy."""
+    from fused_preact import dispatch_report
+    from fused_preact.dispatch import set_memory_policy
+
+    m = FusedBNReLUConv2d(4, 4, 3)
+    m(torch.randn(2, 4, 5, 5))
+    assert "runs='triton'" in repr(m) and len(dispatch_report(m)) == 1
+    m.double()
+    assert "runs='reference (triton: dtype torch.float64" in repr(m)
+    assert len(dispatch_report(m)) == 0
+    m.float()
+    m.conv.register_forward_pre_hook(lambda mod, args: None)
+    m(torch.randn(2, 4, 5, 5))
+    assert "runs='reference (hooks" in repr(m)
+    m.backend = "reference"
+    assert "backend='reference', runs='reference'" in repr(m)
+    set_memory_policy(m, "lean")
+    assert len(dispatch_report(m)) == 0
+
+
 def test_unknown_backend_is_refused_by_name():
     with pytest.raises(ValueError, match="unknown backend 'trition'"):
         FusedPreActBlock(4, 4, backend="trition")

@@ -35,7 +35,8 @@ them): exactly the ``fn[grid](*args)`` the op makes, with the tiles the op's pla
 GPU unless ``FUSED_PREACT_AUTOTUNE=0``). What a kernel reads that other launches make — the BN pack
 (scale, shift, mean, invstd) from the statistics and finalize launches — is made once, untimed.
 Every provider gets the same inputs (one seed); inputs rotate through a pool of at least twice the L2
-cache (at most 1 GiB, which binds only above a 512 MiB L2: :func:`fused_preact.bench.timing.pool_count`);
+cache (at most 1 GiB of inputs, which binds only above a 512 MiB L2; the outputs kept per set come on
+top: :func:`fused_preact.bench.timing.pool_count`);
 the weight is shared.
 
 Timing (:func:`fused_preact.bench.timing.time_cuda`): CUDA events around one call, warm-up, median,
@@ -131,7 +132,8 @@ class KernelBench:
     Args:
         u: the unit. dtype: activations' and weight's dtype (BN's γ, β and statistics are fp32).
         l2_bytes: L2 cache size; the pool holds ≥ 2·L2 bytes of (x, dy) sets (:func:`~fused_preact.bench.timing.
-            pool_count`: at least 2 sets, at most 1 GiB, and at most ``pool_cap`` sets where given).
+            pool_count`: at least 2 sets, at most 1 GiB of (x, dy), and at most ``pool_cap`` sets where given;
+            the outputs kept per set come on top).
         device: default ``fused_preact.bench.timing.DEVICE`` ("cuda"; tests use "cpu" with Triton's
             interpreter). seed: every provider built from the same seed sees the same data.
         split: force the Triton wgrad's K-split (tests of the fold path; default: the plan's choice).

@@ -107,7 +107,8 @@ def validate_results(obj: Any) -> list[str]:
     if not isinstance(obj, dict):
         return ["results object is not a JSON object"]
     problems = [f"top-level {k!r} missing or not {t.__name__}" for k, t in _TOP.items() if not isinstance(obj.get(k), t)]
-    for i, e in enumerate(obj.get("results") or []):
+    results = obj.get("results")
+    for i, e in enumerate(results if isinstance(results, list) else []):
         where = f"results[{i}] ({e.get('name', '?') if isinstance(e, dict) else '?'})"
         if not isinstance(e, dict):
             problems.append(f"{where} is not an object")

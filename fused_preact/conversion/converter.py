@@ -27,7 +27,7 @@ from fused_preact.conversion.matching import (
 from fused_preact.conversion.probing import _devices, _probe, _probe_size, _signature
 from fused_preact.conversion.report import ConversionReport, Replaced, Skipped
 from fused_preact.modules import backend_path
-from fused_preact.ops import BACKENDS
+from fused_preact.ops.backends import check_backend_name
 
 logger = logging.getLogger("fused_preact")
 
@@ -237,8 +237,7 @@ def convert(model: nn.Module, backend: str = "auto", verify: bool = True, report
     from fused_preact.ops.auto import check_memory
 
     check_memory(memory)
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"fused_preact: unknown backend {backend!r}; expected 'auto' or one of {list(BACKENDS)}")
+    check_backend_name(backend)
     if not isinstance(model, nn.Module):
         raise TypeError(f"fused_preact.convert expects an nn.Module, got {type(model).__name__}")
     converter = _Converter(backend, verify)

@@ -73,19 +73,24 @@ def enable_triton_interpreter() -> Optional[str]:
 
     Returns:
         None when the kernels will run in the interpreter; otherwise a warning saying why they cannot
-        (they were built compiled, or ``TRITON_INTERPRET`` is set to ``0``).
+        (triton is not installed, they were built compiled, or ``TRITON_INTERPRET`` is set to a value
+        Triton reads as off). Decided by building the kernels' mode probe, as the kernels will be.
     """
-    built = sys.modules.get("fused_preact.ops._common")
-    if built is None:
+    built_before = "fused_preact.ops._common" in sys.modules
+    if not built_before:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        if os.environ["TRITON_INTERPRET"] not in ("", "0"):
-            return None
-        cause = f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET']!r} is set"
-    elif built.triton_mode() == "interpreter":
+    from fused_preact.ops._common import triton_mode
+
+    mode = triton_mode()
+    if mode == "interpreter":
         return None
+    if mode == "missing":
+        cause = "the triton package is not installed"
+    elif built_before:
+        cause = ("fused_preact's Triton kernels were built compiled (fused_preact.ops was imported before "
+                 "TRITON_INTERPRET=1 was set)")
     else:
-        cause = (f"fused_preact's Triton kernels were built {built.triton_mode()} (fused_preact.ops was imported "
-                 "before TRITON_INTERPRET=1 was set)")
+        cause = f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET']!r} is set, which Triton reads as off"
     return (f"{cause}, so without CUDA the fused modules cannot run the Triton kernels (the backends that ran are "
             "printed with the results); set TRITON_INTERPRET=1 before fused_preact is first imported")
 

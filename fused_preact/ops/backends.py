@@ -41,8 +41,8 @@ from fused_preact.ops.spec import (
 )
 from fused_preact.ops.triton.plan import TritonPlan
 
-__all__ = ["check_backend", "Plan", "Backend", "TritonBackend", "CudaBackend", "RecomputeBackend", "ReferenceBackend", "BACKENDS",
-           "PRIORITY", "BackendChoice", "select_backend", "PlanCache"]
+__all__ = ["Plan", "Backend", "TritonBackend", "CudaBackend", "RecomputeBackend", "ReferenceBackend", "BACKENDS",
+           "PRIORITY", "BackendChoice", "select_backend", "check_backend_name", "PlanCache", "LastCall"]
 
 
 class Plan(Protocol):
@@ -261,7 +261,7 @@ class BackendChoice(NamedTuple):
         return "; ".join(self.skipped) if self.skipped else None
 
 
-def check_backend(requested: str) -> str:
+def check_backend_name(requested: str) -> str:
     """``requested`` if it is ``"auto"`` or a name in :data:`BACKENDS`.
 
     Raises:
@@ -289,23 +289,38 @@ def select_backend(requested: str, x: torch.Tensor, spec: Optional[ChainSpec] = 
                 return BackendChoice(BACKENDS[name], tuple(skipped))
             skipped.extend(reasons)
         raise RuntimeError("fused_preact: no backend can serve this input: " + "; ".join(skipped))
-    check_backend(requested)
+    check_backend_name(requested)
     reasons = BACKENDS[requested].not_supported_reasons(x, spec, dtype)
     if reasons:
         raise RuntimeError(f"fused_preact: backend={requested!r} cannot serve this input: " + "; ".join(reasons))
     return BackendChoice(BACKENDS[requested])
 
 
+class LastCall(NamedTuple):
+    """The latest call of a plan cache's owner: its signature (None for a call that ran eagerly before
+    any lookup: hooks, child module types, a shortcut the chains do not take), the backend and memory
+    policy requested, the backend that ran (it differs from the cached entry's when the call overruled
+    it, e.g. forward-mode AD) and why the preferred one did not."""
+
+    key: Optional[tuple]
+    requested: str
+    memory: str
+    runs: str
+    reason: Optional[str]
+
+
 class PlanCache(dict):
     """Plans of one owner (a module, or the functional API), keyed by input signature. Copies and
     pickles of the owner start with an empty cache (plans are cheap to rebuild, and bound to devices).
 
-    ``last``: ``(signature or None, backend name, fallback reason)`` of the owner's latest call outside
-    ``torch.compile``; the signature is None for a call that ran eagerly before any lookup (hooks,
-    child module types, a shortcut the chains do not take), and the backend differs from the cached
-    entry's when the call overruled it (forward-mode AD)."""
+    ``last``: the owner's latest call outside ``torch.compile`` since the cache was last cleared
+    (:class:`LastCall`), or None."""
 
-    last: Optional[tuple] = None
+    last: Optional[LastCall] = None
+
+    def clear(self) -> None:
+        super().clear()
+        self.last = None
 
     def __deepcopy__(self, memo):
         return PlanCache()

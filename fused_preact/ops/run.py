@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from fused_preact.ops import auto as _auto
 from fused_preact.ops import library
 from fused_preact.ops._common import autocast_enabled, compute_dtype
-from fused_preact.ops.backends import BackendChoice, PlanCache, ReferenceBackend, select_backend
+from fused_preact.ops.backends import BackendChoice, LastCall, PlanCache, ReferenceBackend, select_backend
 from fused_preact.ops.chain import ChainFunction, ChainResult, differentiable_slots, reference_chain
 from fused_preact.ops.spec import (
     BATCH,
@@ -152,7 +152,7 @@ def run_chain(requested: str, cache: PlanCache, spec: ChainSpec, x: torch.Tensor
             "forward-mode AD (dual tensors): the fused kernels have no JVP; plain PyTorch ops",))
         plan = None
     if not torch.compiler.is_compiling():
-        cache.last = (key, choice.name, choice.reason)
+        cache.last = LastCall(key, requested, memory, choice.name, choice.reason)
     if plan is None:
         return reference_chain(spec, x, t, modes), choice
     if torch.compiler.is_compiling():
