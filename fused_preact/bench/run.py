@@ -100,6 +100,7 @@ from fused_preact.bench.shapes import (
     unit_flops,
     unit_min_bytes,
 )
+from fused_preact.cli_types import int_at_least, positive_float
 
 __all__ = [
     "LEVELS", "ENTRY_MODES", "ENQUEUE_PROVIDERS", "EST_S", "make_entry", "annotate", "validate_results",
@@ -404,30 +405,6 @@ def _report(obj: dict, json_path: Path, chart: bool) -> None:
             print(f"no chart: {e} (pip install matplotlib)", flush=True)
 
 
-def _int_at_least(low: int):
-    """argparse type: an int ≥ ``low`` (argparse's usage error, exit 2, otherwise)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    """argparse type: a finite float > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
-    return value
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fused_preact.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -441,21 +418,21 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: fwd bwd fwd+bwd; --quick: those and enqueue)")
     p.add_argument("--kernel-modes", nargs="+", choices=KERNEL_MODES, default=list(KERNEL_MODES),
                    help="kernel-level modes (default: all)")
-    p.add_argument("--enqueue-steps", type=_int_at_least(1), default=20,
+    p.add_argument("--enqueue-steps", type=int_at_least(1), default=20,
                    help="calls back to back per enqueue measurement (default 20)")
-    p.add_argument("--batch", type=_int_at_least(1), default=128)
+    p.add_argument("--batch", type=int_at_least(1), default=128)
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp32"],
                    help="one or more dtypes; every task runs in each (default: bf16)")
     p.add_argument("--quick", action="store_true", help="a few shapes, few repetitions (~2 minutes): an end-to-end check; "
                                                            "all levels (two kernel shapes) and the enqueue mode")
     p.add_argument("--out", default="benchmarks/results", help="folder for <device>-<date>.json/.md/.png")
-    p.add_argument("--time-limit", type=_positive_float, help="seconds of benchmarking (default 480; --quick 120)")
-    p.add_argument("--warmup", type=_int_at_least(0), help="untimed calls per measurement (default 3; --quick 2)")
-    p.add_argument("--reps", type=_int_at_least(1),
+    p.add_argument("--time-limit", type=positive_float, help="seconds of benchmarking (default 480; --quick 120)")
+    p.add_argument("--warmup", type=int_at_least(0), help="untimed calls per measurement (default 3; --quick 2)")
+    p.add_argument("--reps", type=int_at_least(1),
                    help="timed calls per unit/block/kernel measurement (default 30; --quick 5)")
-    p.add_argument("--model-reps", type=_int_at_least(1),
+    p.add_argument("--model-reps", type=int_at_least(1),
                    help="timed training steps per model measurement (default 10; --quick 3)")
-    p.add_argument("--max-s", type=_positive_float,
+    p.add_argument("--max-s", type=positive_float,
                    help="wall seconds after which a measurement stops repeating (default 1.5)")
     p.add_argument("--commit", help="commit to record (default: $FUSED_PREACT_COMMIT or git rev-parse HEAD)")
     p.add_argument("--no-chart", action="store_true", help="skip the PNG")

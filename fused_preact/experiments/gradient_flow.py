@@ -27,6 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fused_preact.cli_types import int_at_least
+
 __all__ = ["METRICS", "residual_blocks", "gradient_flow", "plot_gradient_flow", "parse_args", "run", "main"]
 
 _LAYER = re.compile(r"layer(\d+)$")
@@ -191,17 +193,6 @@ def plot_gradient_flow(results: dict[str, list[dict]], path: str, title: Optiona
     return path
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an int ≥ 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """Command-line arguments of ``python -m fused_preact.experiments.gradient_flow``. Builds nothing:
     the Triton kernels are not imported here (``main`` sets ``TRITON_INTERPRET`` afterwards).
@@ -227,18 +218,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help=f"shortcuts, of: {', '.join(SHORTCUTS)} (default: identity)")
     p.add_argument("--bottleneck", choices=["auto", "yes", "no"], default="auto",
                    help="unit form (default auto: bottleneck exactly when depth >= 164)")
-    p.add_argument("--batch", type=_positive_int, default=8, help="batch size (default 8)")
-    p.add_argument("--image-size", type=_positive_int, default=32, help="input height and width (default 32)")
+    p.add_argument("--batch", type=int_at_least(1), default=8, help="batch size (default 8)")
+    p.add_argument("--image-size", type=int_at_least(1), default=32, help="input height and width (default 32)")
     p.add_argument("--data", choices=["random", "digits"], default="random",
                    help="random: seeded N(0,1) CIFAR-sized images and labels; digits: scikit-learn's bundled digits")
-    p.add_argument("--num-classes", type=_positive_int, default=10)
+    p.add_argument("--num-classes", type=int_at_least(1), default=10)
     p.add_argument("--seed", type=int, default=0, help="seed for data and weights (default 0)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--fused", action="store_true",
                    help="build the fused model for full_preact+identity (default: eager, same math)")
     p.add_argument("--out", help="write the plot to this PNG (needs matplotlib)")
     p.add_argument("--json", help="write the results to this JSON file")
-    p.add_argument("--rows", type=_positive_int, default=24, help="table rows per model (evenly spaced blocks; default 24)")
+    p.add_argument("--rows", type=int_at_least(1), default=24, help="table rows per model (evenly spaced blocks; default 24)")
     args = p.parse_args(argv)
     for depth in args.depth:
         try:
