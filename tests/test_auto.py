@@ -311,6 +311,48 @@ def test_second_process_reuses_the_disk_cache(tmp_path):
     assert "3.0" in line  # the first process's times travel with the decision
 
 
+def test_a_decision_serves_only_the_eps_and_dtypes_it_was_validated_for():
+    """The decision's key holds each BatchNorm's eps and every parameter's and buffer's dtype: a module
+    that differs only there is measured and validated itself (its numerics may differ), not handed
+    the other's decision from memory or the file."""
+    with auto.measuring(devices=(DEVICE,), timer=Timer()):
+        first = _block()
+        first(_x())
+        other = _block()
+        for bn in other.modules():
+            if isinstance(bn, nn.BatchNorm2d):
+                bn.eps = 0.1
+        timer = Timer()
+        with auto.measuring(devices=(DEVICE,), timer=timer):
+            other(_x())
+    assert _decision(first).source == "measured" and _decision(other).source == "measured" and timer.calls
+
+
+@pytest.mark.parametrize("edit", ["winner-list", "ms-string", "winner-invalid", "top-level-list"])
+def test_a_corrupt_or_contradictory_decision_file_is_measured_again(tmp_path, edit):
+    """Entries of the decision file that another version or an edit left malformed, or whose own
+    records reject their winner, are not served (nor crash the call): the signature is measured again."""
+    with auto.measuring(devices=("cpu",), timer=Timer()):
+        _block()(_x())
+    path = tmp_path / "dispatch.json"
+    cache = json.loads(path.read_text())
+    (key, entry), = cache.items()
+    if edit == "winner-list":
+        entry["winner"] = ["recompute"]
+    elif edit == "ms-string":
+        entry["candidates"][0]["ms"] = "fast"
+    else:
+        for c in entry["candidates"]:
+            c["valid"] = False if c["name"] == entry["winner"] else c["valid"]
+    path.write_text(json.dumps([entry] if edit == "top-level-list" else {key: entry}))
+    auto.forget()
+    timer = Timer()
+    with auto.measuring(devices=("cpu",), timer=timer):
+        m = _block()
+        m(_x())
+    assert _decision(m).source == "measured" and timer.calls
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

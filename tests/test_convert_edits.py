@@ -59,11 +59,14 @@ def test_probe_refuses_a_forward_that_depends_on_randomness_or_batch(block, matc
     assert any(match in s.reason for s in report.skipped), _reasons(report)
 
 
-def test_probe_verdict_keyed_on_private_attributes():
-    """Two blocks of one class differing only in a private attribute the forward reads: the verdict of
-    the first (scale 1: the usual layout) is not reused for the second (scale 0.2)."""
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["float", "tensor"])
+def test_probe_verdict_keyed_on_private_attributes(as_tensor):
+    """Two blocks of one class differing only in a private attribute the forward reads (a number, or
+    a plain tensor attribute, neither parameter nor buffer): the verdict of the first (scale 1: the
+    usual layout) is not reused for the second (scale 0.2)."""
     torch.manual_seed(0)
-    model = nn.Sequential(ScaledResidualBlock(4, 1.0), ScaledResidualBlock(4, 0.2))
+    scales = [torch.tensor(s) if as_tensor else s for s in (1.0, 0.2)]
+    model = nn.Sequential(ScaledResidualBlock(4, scales[0]), ScaledResidualBlock(4, scales[1]))
     eager = copy.deepcopy(model)
     _, report = convert(model, report=True)
     assert [r.name for r in report.replaced] == ["0"], _reasons(report)

@@ -274,6 +274,22 @@ def test_eps_checked_under_torch_compile(train, eps):
         torch.compile(fused, backend="eager", fullgraph=True)(_x(2, 4, 5, 5, requires_grad=False))
 
 
+@pytest.mark.parametrize("what", ["bias", "weight"])
+def test_float64_conv_tensor_under_autocast_raises_as_eager(what):
+    """Autocast casts every floating tensor of the conv but a float64 one: a float64 bias or weight
+    meets a 16-bit input, and eager raises the dtype mismatch (the fused path ran it)."""
+    fused = FusedBNReLUConv2d(4, 4, 3, padding=1, bias=True, backend="auto").to(DEVICE)
+    p = getattr(fused.conv, what)
+    setattr(fused.conv, what, nn.Parameter(p.detach().double()))
+    eager = nn.Sequential(fused.bn, nn.ReLU(), fused.conv)
+    x = _x(2, 4, 5, 5, requires_grad=False)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match="should be the same"):
+            eager(x)
+        with pytest.raises(RuntimeError, match="should be the same"):
+            fused(x)
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU autocast to fp16")
 def test_autocast_decision_not_reused_without_autocast():
     """A plan cached under autocast (fp16 compute from an fp32 module) is not a cache hit for the same
@@ -377,6 +393,21 @@ def test_padded_kernel_over_32_taps_is_fused(k, pad, dil, dtype):
     assert_close(fused.conv.weight.grad.double(), ref[2].weight.grad, tol, f"{what}: dW")
     assert_close(fused.bn.weight.grad.double(), ref[0].weight.grad, tol, f"{what}: dgamma")
     assert_close(fused.bn.bias.grad.double(), ref[0].bias.grad, tol, f"{what}: dbeta")
+
+
+@pytest.mark.parametrize("cin, cout", [(4, 80), (16, 128), (8, 256)])
+def test_many_output_channels_per_input_channel_weight_gradient(cin, cout):
+    """Output channels over 4× the input channels (a 1×1 expansion): the wgrad kernel holds four
+    pieces of output channels per tile, and the interpreter's tiles once took eight (half of dW never
+    written)."""
+    torch.manual_seed(0)
+    fused = FusedBNReLUConv2d(cin, cout, 1, backend="triton").to(DEVICE)
+    ref = nn.Sequential(copy.deepcopy(fused.bn), nn.ReLU(), copy.deepcopy(fused.conv)).double()
+    x = _x(2, cin, 3, 3, dtype=torch.float64)
+    fused(x.detach().float()).backward(torch.ones(2, cout, 3, 3, device=DEVICE))
+    ref(x).backward(torch.ones(2, cout, 3, 3, dtype=torch.float64))
+    assert fused.last_backend == "triton", fused.fallback_reason
+    assert_close(fused.conv.weight.grad.double(), ref[2].weight.grad, torch.float32, f"{cin}->{cout}: dW")
 
 
 @pytest.mark.parametrize("shortcut", ["stride-2x1", "bias", "3x3"])

@@ -3,6 +3,7 @@ persistent cache, and a second process reusing it without timing anything."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -55,6 +56,8 @@ def test_plan_tunes_picks_caches_and_stays_correct(monkeypatch, tmp_path):
     entries = json.loads(cache.read_text())
     assert len(entries) >= 3 and all(set(v) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
                                      for v in entries.values())
+    # pairs keyed with a separator: stride (1, 12) and (11, 2) must not share "s112"
+    assert all("|s1x1|p1x1|d1x1|" in k for k in entries if "R3S3" in k), list(entries)
     y.sum().backward()
     xe = x.detach().clone().requires_grad_()
     eager(xe).sum().backward()
@@ -76,13 +79,38 @@ def test_second_process_reuses_the_cache(tmp_path):
         def never(cfg):
             raise SystemExit("timed a candidate although the cache has the key")
         cache = _tuning.cache_for("cpu")
-        print(_tuning.choose(cache, "k1", [GemmConfig(128, 64, 32)], None, never, lambda c: c.__dict__,
-                             lambda d: GemmConfig(**d)))
+        print(_tuning.choose(cache, "k1", [GemmConfig(128, 64, 32), GemmConfig(64, 32, 16, 4, 4)], None, never,
+                             lambda c: c.__dict__, lambda d: GemmConfig(**d)))
     """)
     env = dict(os.environ, FUSED_PREACT_AUTOTUNE_CACHE=str(cache))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "BLOCK_M=64, BLOCK_N=32, BLOCK_K=16" in out.stdout
+
+
+@pytest.mark.parametrize("entry", [{"BLOCK_M": 128, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 3},
+                                   {"BLOCK_M": 48, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+                                   {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "splits": 2}, "64x64", None])
+def test_a_cached_entry_that_is_not_a_candidate_is_tuned_again(tmp_path, entry):
+    """A cache file from another version, or edited, may name tiles this problem cannot take (the
+    wgrad kernel holds four pieces of output channels: 128×16 tiles drop half of dW): such an entry is
+    not served; the candidates are timed again and the entry overwritten."""
+    path = tmp_path / "tune.json"
+    path.write_text(json.dumps({"k": entry}))
+    good = GemmConfig(64, 64, 64, 4, 3)
+    got = _tuning.choose(_tuning.TuneCache(str(path)), "k", [good], GemmConfig(64, 64, 128, 4, 3), lambda c: 1.0,
+                         dataclasses.asdict, lambda d: GemmConfig(**d))
+    assert got == good
+    assert json.loads(path.read_text())["k"] == dataclasses.asdict(good)
+
+
+def test_a_cache_file_that_is_not_an_object_is_ignored(tmp_path):
+    path = tmp_path / "tune.json"
+    path.write_text("[1, 2]")
+    cache = _tuning.TuneCache(str(path))
+    assert cache.get("k") is None
+    cache.put("k", {"BLOCK_M": 64})
+    assert json.loads(path.read_text()) == {"k": {"BLOCK_M": 64}}
 
 
 def test_candidates_are_clamped_and_unique():

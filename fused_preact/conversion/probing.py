@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import math
 from typing import Callable, Iterator, Optional
 
@@ -165,15 +166,25 @@ def _plain(v) -> bool:
     return v is None or isinstance(v, (bool, int, float, str))
 
 
+def _tensor_digest(t: torch.Tensor) -> str:
+    """Shape, dtype, device type and a SHA-256 of the values of ``t`` (a ``repr`` elides large tensors)."""
+    head = f"tensor{tuple(t.shape)}:{t.dtype}:{t.device.type}"
+    if t.device.type == "meta":
+        return head
+    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return head + ":" + hashlib.sha256(data.numpy().tobytes()).hexdigest()[:16]
+
+
 def _signature(module: nn.Module) -> str:
     """What a probe of ``module`` depends on besides parameter values: its class, its tree (``repr``
     lists every child with its hyperparameters), the public attributes of every submodule and its
     private ones of plain types (numbers, strings, None and tuples/lists of them: a ``self._scale``
-    that the forward reads)."""
+    that the forward reads) or tensors (by value: a ``self._skip_scale = torch.tensor(0.5)``; parameters
+    and buffers live in the module's own dicts and are probed)."""
     attrs = [
-        (name, type(m).__qualname__, k, repr(v))
+        (name, type(m).__qualname__, k, _tensor_digest(v) if isinstance(v, torch.Tensor) else repr(v))
         for name, m in module.named_modules()
         for k, v in sorted(vars(m).items())
-        if k != "training" and (not k.startswith("_") or _plain(v))
+        if k != "training" and (not k.startswith("_") or _plain(v) or isinstance(v, torch.Tensor))
     ]
     return f"{type(module).__module__}.{type(module).__qualname__}|{module!r}|{attrs}"

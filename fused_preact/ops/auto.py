@@ -103,9 +103,25 @@ class Decision:
 
     @classmethod
     def from_json(cls, d: dict) -> "Decision":
+        """The decision :meth:`to_json` wrote. Raises ValueError/TypeError/KeyError for anything else
+        (a file from another version, or edited): a field of the wrong type, a missing one."""
         d = dict(d)
         d["candidates"] = [Candidate(**c) for c in d.get("candidates", [])]
-        return cls(**d)
+        out = cls(**d)
+        strs = (out.signature, out.winner, out.source, out.memory, out.timed)
+        if not all(isinstance(v, str) for v in strs) or not isinstance(out.note, (str, type(None))):
+            raise ValueError("a decision field is not a string")
+        for c in out.candidates:
+            if not (isinstance(c.name, str) and isinstance(c.lean, bool)
+                    and (c.ms is None or (isinstance(c.ms, (int, float)) and not isinstance(c.ms, bool)))
+                    and isinstance(c.valid, (bool, type(None))) and isinstance(c.errors, dict)
+                    and isinstance(c.error, (str, type(None))) and isinstance(c.refused, (str, type(None)))):
+                raise ValueError(f"candidate record {c.name!r} has a field of the wrong type")
+        return out
+
+    def winner_passed(self) -> bool:
+        """Whether the decision's own records let its winner run: no record of it as refused or invalid."""
+        return not any(c.name == self.winner and (c.refused or c.valid is False) for c in self.candidates)
 
     def summary(self) -> str:
         """One line: winner, source, each candidate's time or why it was not a candidate."""
@@ -262,8 +278,10 @@ def decision_cache(device: torch.device) -> TuneCache:
 
 def signature(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BNMode, ...], cd: torch.dtype,
               out_stats: bool, memory: str, timed: str) -> str:
-    """The decision's key in words: the chain (convs, shortcut, BN modes), the compute, input, parameter
-    and residual dtypes, the input's shape and layout, the statistics handoffs, policy and timed mode."""
+    """The decision's key in words: the chain (convs, shortcut, BN modes), the compute, input, residual
+    and every parameter's and buffer's dtype (by slot), each BatchNorm's eps, the input's shape and
+    layout, the statistics handoffs, policy and timed mode: everything the validation behind a decision
+    depended on, so a decision is never served to a call it was not validated for."""
     from fused_preact.ops.library import encode_key
 
     rd = t.residual.dtype if t.residual is not None else None
@@ -273,9 +291,11 @@ def signature(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BN
         layout = "channels_last"
     else:
         layout = f"strides{tuple(x.stride())}"
-    params = sorted({str(v.dtype).replace("torch.", "") for v in [*t.weights, *t.gammas] if v is not None})
+    slots = [*t.weights, *t.biases, *t.gammas, *t.betas, *t.running_means, *t.running_vars, t.proj_weight]
+    params = ",".join("-" if v is None else str(v.dtype).replace("torch.", "") for v in slots)
+    eps = ",".join(repr(float(e)) for e in t.eps)
     return (f"{encode_key(spec, modes, cd, rd)}|x{tuple(x.shape)}:{str(x.dtype).replace('torch.', '')}:{layout}"
-            f"|params:{','.join(params)}|in_stats:{int(t.in_stats is not None)}|out_stats:{int(out_stats)}"
+            f"|params:{params}|eps:{eps}|in_stats:{int(t.in_stats is not None)}|out_stats:{int(out_stats)}"
             f"|memory:{memory}|{timed}")
 
 
@@ -341,7 +361,7 @@ def _held(key, sig: str, x: torch.Tensor, eligible: set, disk: bool) -> Optional
                 d = dataclasses.replace(Decision.from_json(hit), source="disk cache")
             except (TypeError, ValueError, KeyError) as e:
                 logger.warning("fused_preact: ignoring an unreadable dispatch decision (%s)", e)
-    return d if d is not None and d.winner in eligible else None
+    return d if d is not None and d.winner in eligible and d.winner_passed() else None
 
 
 def _measure(static: BackendChoice, spec, x, t, modes, cd, out_stats, memory, sig, timed, cands):

@@ -250,13 +250,14 @@ def validate_chain(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tup
         ValueError: x not 4-D; training with one value per channel; ``eps`` ≤ 0 in training or < 0 in
             eval; malformed geometry.
         RuntimeError: non-floating x; channel mismatch; groups not dividing channels; tensors on other
-            devices; dtype mismatch outside autocast; output size ≤ 0; residual of the wrong shape.
+            devices; a dtype mismatch (under autocast: a float64 tensor among the others); output size ≤ 0;
+            residual of the wrong shape.
     """
     if x.dim() != 4:
         raise ValueError(f"expected 4D input (got {x.dim()}D input)")
     if not x.is_floating_point():
         raise RuntimeError(f"fused_preact: expected a floating-point input, got {x.dtype}")
-    autocast = autocast_enabled(x.device.type)
+    autocast = torch.get_autocast_dtype(x.device.type) if autocast_enabled(x.device.type) else None
     shape = tuple(x.shape)
     shapes = [shape]
     for i, (g, w, b) in enumerate(zip(spec.convs, t.weights, t.biases)):
@@ -338,15 +339,19 @@ def _check_weight_4d(weight: torch.Tensor) -> None:
         raise RuntimeError(f"fused_preact: expected a 4D conv weight (K, C/groups, R, S), got shape {list(weight.shape)}")
 
 
-def _check_conv(x, g: ConvGeom, weight, bias, C, H, W, in_shape, autocast: bool) -> None:
+def _check_conv(x, g: ConvGeom, weight, bias, C, H, W, in_shape, autocast: Optional[torch.dtype]) -> None:
+    # Under autocast (its dtype given) the conv sees every floating tensor but a float64 one in that dtype.
+    def seen(dt):
+        return dt if autocast is None or dt == torch.float64 else autocast
+
     for name, t in (("weight", weight), ("bias", bias)):
         if t is None:
             continue
         if t.device != x.device:
             raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two devices, "
                                f"{x.device} and {t.device}! ({name})")
-        if t.dtype != x.dtype and not autocast:
-            raise RuntimeError(f"Input type ({x.dtype}) and {name} type ({t.dtype}) should be the same")
+        if seen(t.dtype) != seen(x.dtype):
+            raise RuntimeError(f"Input type ({seen(x.dtype)}) and {name} type ({seen(t.dtype)}) should be the same")
     _check_weight_4d(weight)
     if weight.shape[0] < 1:
         raise RuntimeError(f"Given groups={g.groups}, expected weight to be at least 1 at dimension 0, but got weight "

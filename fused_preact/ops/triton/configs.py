@@ -82,8 +82,9 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype) -> GemmConfig:
     work or less, so the tile takes 128 rows: the per-row costs (transform, addresses, padding tests)
     stay the same while the per-iteration ones halve (static issue ratio, PreActResNet-50's 3×3
     64→64 on sm_90: 1.22 with 64 rows, 1.03 with 128)."""
-    if interpreting():
-        return GemmConfig(p2(Kg, 16, 256), p2(Cg, 16, 256), p2(M, 16, 4096))
+    if interpreting():  # the kernel holds at most 4 pieces of output channels: BLOCK_M ≤ 4·BLOCK_N
+        bm = p2(Kg, 16, 256)
+        return GemmConfig(bm, max(p2(Cg, 16, 256), bm // 4), p2(M, 16, 4096))
     if dtype == torch.float32:  # fp32 operands (TF32 MMA): half the rows per block
         return GemmConfig(p2(Kg, 16, 64), 64, 32, 4, 4)
     bm = p2(Kg, 16, 128)

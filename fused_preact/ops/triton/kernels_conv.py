@@ -351,6 +351,7 @@ def _wgrad_tile(
     EVEN_K/EVEN_C: the channel blocks tile Kg/Cg exactly (no channel masks)."""
     KP: tl.constexpr = BLOCK_N if BLOCK_N < BLOCK_M else BLOCK_M
     NKP: tl.constexpr = BLOCK_M // KP
+    tl.static_assert(NKP <= 4, "wgrad tiles: BLOCK_M may be at most 4·BLOCK_N (four accumulator pieces)")
     Cg = C // GROUPS
     Kg = K // GROUPS
     NKB = tl.cdiv(Kg, BLOCK_M)

@@ -361,8 +361,8 @@ def _tune_unit(plan: TritonPlan, u: UnitPlan) -> None:
     g = u.geom
     N, C, H, W = u.in_shape
     K = u.out_shape[1]
-    base = (f"{plan.cdtype}|{plan.x_dtype}|R{g.kernel[0]}S{g.kernel[1]}|s{g.stride[0]}{g.stride[1]}|"
-            f"p{g.padding[0]}{g.padding[1]}|d{g.dilation[0]}{g.dilation[1]}|g{g.groups}|C{C}|K{K}|"
+    base = (f"{plan.cdtype}|{plan.x_dtype}|R{g.kernel[0]}S{g.kernel[1]}|s{g.stride[0]}x{g.stride[1]}|"
+            f"p{g.padding[0]}x{g.padding[1]}|d{g.dilation[0]}x{g.dilation[1]}|g{g.groups}|C{C}|K{K}|"
             f"cl{int(plan.channels_last)}")
     cache = cache_for(torch.cuda.get_device_name(plan.device) if plan.device.type == "cuda" else plan.device.type)
     Cg, Kg = C // g.groups, K // g.groups

@@ -65,7 +65,10 @@ class TuneCache:
         if path and os.path.isfile(path):
             try:
                 with open(path) as f:
-                    self.entries = json.load(f)
+                    entries = json.load(f)
+                if not isinstance(entries, dict):
+                    raise ValueError(f"a JSON {type(entries).__name__}, not an object")
+                self.entries = entries
             except (OSError, ValueError) as e:  # a corrupt cache is ignored, not fatal
                 logger.warning("fused_preact: ignoring unreadable autotune cache %s (%s)", path, e)
 
@@ -83,6 +86,8 @@ class TuneCache:
                     with open(self.path) as f:
                         merged = json.load(f)
                 except (OSError, ValueError):
+                    merged = {}
+                if not isinstance(merged, dict):
                     merged = {}
             merged.update(self.entries)
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
@@ -109,10 +114,18 @@ def choose(cache: TuneCache, key: str, candidates: Sequence, default, bench: Cal
            to_dict: Callable[[object], dict], from_dict: Callable[[dict], object]):
     """The cached winner for ``key``, else the fastest candidate by ``bench`` (ms; candidates that
     raise — e.g. out of shared memory — are skipped), stored in ``cache``. ``default`` when every
-    candidate fails."""
+    candidate fails. A cached entry is used only if it is one of ``candidates`` or ``default`` (a file
+    from another version, or edited, may name tiles this problem cannot take); otherwise it is tuned
+    again and overwritten."""
     hit = cache.get(key)
     if hit is not None:
-        return from_dict(hit)
+        try:
+            cfg = from_dict(hit)
+        except (TypeError, ValueError, KeyError) as e:
+            cfg = e
+        if any(cfg == c for c in (*candidates, default)):
+            return cfg
+        logger.warning("fused_preact: autotune cache entry %s = %r is not a candidate; tuning again", key, hit)
     start = time.perf_counter()
     best, best_ms = default, float("inf")
     for cfg in candidates:
