@@ -22,16 +22,16 @@ import torch.nn as nn
 from conftest import DEVICE
 from helpers import TOL, rel_err
 
-from fused_preact import FusedBNReLUConv2d, FusedPreActBlock
-from fused_preact.models import PreActBlock
+from fused_preact import FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottleneck
+from fused_preact.models import PreActBlock, PreActBottleneck
 from fused_preact.modules import convert_sync_batchnorm
 
 SPLITS = (5, 2)  # images per rank: unequal on purpose
 #: precision case -> (dtype the ranks compute in, [(module kind, backend of the fused modules), ...])
 PRECISIONS = {
     "fp32-fused": (torch.float32, [("unit", "auto"), ("block", "auto"), ("unit", "reference"), ("unit", "recompute"),
-                                   ("block", "recompute")]),
-    "fp64-reference": (torch.float64, [("unit", "reference"), ("block", "reference")]),
+                                   ("block", "recompute"), ("bottleneck", "auto")]),
+    "fp64-reference": (torch.float64, [("unit", "reference"), ("block", "reference"), ("bottleneck", "reference")]),
 }
 
 
@@ -47,9 +47,12 @@ def _build(kind: str, backend: str = "auto") -> tuple[nn.Module, nn.Module]:
     if kind == "unit":
         fused = FusedBNReLUConv2d(8, 12, 3, padding=1, stride=2, backend=backend)
         eager = nn.Sequential(OrderedDict(bn=copy.deepcopy(fused.bn), relu=nn.ReLU(), conv=copy.deepcopy(fused.conv)))
-    else:
+    elif kind == "block":
         fused = FusedPreActBlock(8, 16, stride=2, backend=backend)
         eager = PreActBlock(8, 16, stride=2)
+    else:  # a projection to 16 channels beside a first unit of 4: their outputs differ in shape
+        fused = FusedPreActBottleneck(8, 4, stride=2, backend=backend)
+        eager = PreActBottleneck(8, 4, stride=2)
     for m in fused.modules():
         if isinstance(m, nn.BatchNorm2d):
             with torch.no_grad():

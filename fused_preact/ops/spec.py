@@ -279,7 +279,8 @@ def validate_chain(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tup
         shapes.append(shape)
     if spec.proj is not None:
         _check_conv(x, spec.proj, t.proj_weight, None, shapes[0][1], shapes[0][2], shapes[0][3], shapes[0], autocast)
-        if spec.proj.out_hw(shapes[0][2], shapes[0][3]) != tuple(shapes[-1][2:]) or spec.proj.out_channels != shapes[-1][1]:
+        if spec.proj_out == "add" and (spec.proj.out_hw(shapes[0][2], shapes[0][3]) != tuple(shapes[-1][2:])
+                                       or spec.proj.out_channels != shapes[-1][1]):
             raise RuntimeError(f"fused_preact: the projection shortcut's output does not match the branch output "
                                f"{list(shapes[-1])}")
     if spec.residual == "input" and tuple(shapes[0][1:]) != tuple(shapes[-1][1:]):
