@@ -172,13 +172,12 @@ def run_units(owner: nn.Module, x: torch.Tensor, units: list, proj: Optional[nn.
     if proj_problem is not None:
         eager_reasons.append(proj_problem)
     if eager_reasons:
+        why = "; ".join(eager_reasons)
         if check_backend_name(owner.backend) not in ("auto", "reference"):
-            raise RuntimeError(f"fused_preact: backend={owner.backend!r} cannot serve this module: "
-                               + "; ".join(eager_reasons))
-        _record(owner, "reference", "; ".join(eager_reasons), x)
+            raise RuntimeError(f"fused_preact: backend={owner.backend!r} cannot serve this module: {why}")
+        _record(owner, "reference", why, x)
         if not torch.compiler.is_compiling():
-            owner._plans.last = LastCall(None, owner.backend, getattr(owner, "memory", "fastest"), "reference",
-                                         "; ".join(eager_reasons))
+            owner._plans.last = LastCall(None, owner.backend, getattr(owner, "memory", "fastest"), "reference", why)
         return _eager_units(x, units, proj, proj_out, residual)
     if any(sync_enabled(bn) for bn, _ in units):
         result = _synchronized_units(owner, x, units, proj, proj_out, residual)

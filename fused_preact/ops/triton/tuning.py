@@ -121,9 +121,9 @@ def choose(cache: TuneCache, key: str, candidates: Sequence, default, bench: Cal
     if hit is not None:
         try:
             cfg = from_dict(hit)
-        except (TypeError, ValueError, KeyError) as e:
-            cfg = e
-        if any(cfg == c for c in (*candidates, default)):
+        except (TypeError, ValueError, KeyError):  # not even a config: tuned again below
+            cfg = None
+        if cfg is not None and cfg in (*candidates, default):
             return cfg
         logger.warning("fused_preact: autotune cache entry %s = %r is not a candidate; tuning again", key, hit)
     start = time.perf_counter()
