@@ -81,7 +81,7 @@ class DispatchReport(list):
     "candidates": [{"name", "ms", "valid", "errors", "error", "refused", "lean"}, ...]}``
 
     ``source`` is a :class:`fused_preact.ops.auto.Decision`'s source (``measured``, ``disk cache``,
-    ``process``, ``rank 0``, ``capture``, ``compile``, ``static``), ``priority`` for an ``auto`` choice
+    ``process``, ``capture``, ``compile``, ``static``), ``priority`` for an ``auto`` choice
     made by the static order (nothing measured: ``FUSED_PREACT_DISPATCH=priority``, a device that is not
     measured, one candidate), ``forced`` for a named backend, ``last call`` for a module's latest call
     when it ran something no cached entry says (an eager fallback decided before the plan cache —

@@ -23,8 +23,12 @@ the signature is that function's key: device, dtypes and autocast dtype, layout,
 
 It never measures inside CUDA-graph capture or ``torch.compile`` tracing: there it takes a decision
 this process (or, under capture, the disk cache) already holds, else the static priority, and says so
-in ``fallback_reason``. Under ``torch.distributed`` rank 0 decides and broadcasts the name (and its
-record) to every rank. A forced backend is never measured. Measurement is on for CUDA devices; tests
+in ``fallback_reason``. Under ``torch.distributed`` every rank decides for itself, with no collective
+(as ``torch.backends.cudnn.benchmark`` does): ranks reach a new signature at different calls (a batch
+size of their own, an empty batch, a hook on one rank), where a collective would hang. The ranks'
+winners may differ; each is validated on its rank, and no backend communicates (synchronized
+statistics are computed before the chain, the same way for every backend). A forced backend is never
+measured. Measurement is on for CUDA devices; tests
 switch it on for the CPU with :func:`measuring` (and inject a timer).
 
 Environment:
@@ -83,9 +87,8 @@ class Decision:
     Attributes:
         signature: the signature in words (:func:`signature`). winner: the backend that runs.
         source: ``measured``; ``disk cache`` (a decision of an earlier process); ``process`` (another
-            module of this process with the same signature); ``rank 0`` (broadcast under
-            torch.distributed); ``capture`` / ``compile`` (a held decision adopted where nothing may be
-            measured); ``static`` (no decision could be made: see ``note``).
+            module of this process with the same signature); ``capture`` / ``compile`` (a held decision
+            adopted where nothing may be measured); ``static`` (no decision could be made: see ``note``).
         memory: the policy. timed: ``forward+backward`` or ``forward``. candidates: :class:`Candidate`
             records (times in ms, validation errors). note: anything unusual, in words.
     """
@@ -393,21 +396,6 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _distributed() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _broadcast(payload: list) -> None:
-    import torch.distributed as dist
-
-    device = None
-    if "nccl" in str(dist.get_backend()):
-        device = torch.device("cuda", torch.cuda.current_device())
-    dist.broadcast_object_list(payload, src=0, device=device)
-
-
 def decide(static: BackendChoice, key, spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BNMode, ...],
            cd: torch.dtype, out_stats: bool, memory: str = "fastest") -> tuple[BackendChoice, Optional[object]]:
     """``backend="auto"``'s choice for a new signature (see the module docstring).
@@ -454,58 +442,18 @@ def decide(static: BackendChoice, key, spec: ChainSpec, x: torch.Tensor, t: Chai
             "CUDA-graph capture: backend='auto' does not measure during capture and holds no decision for this "
             "signature (run a step before capturing); static priority",)), None
     plan = None
-    if _distributed():
-        d, plan = _decide_rank0(static, key, spec, x, t, modes, cd, out_stats, memory, sig, timed, cands, eligible)
-    else:
-        d = _held(key, sig, x, eligible, disk=True)
-        if d is not None and d.source == "measured":
-            d = dataclasses.replace(d, source="process")
-        if d is None:
-            d, plan, conclusive = _measure(static, spec, x, t, modes, cd, out_stats, memory, sig, timed, cands)
-            if conclusive:
-                decision_cache(x.device).put(f"{_fingerprint(x.device)}|{sig}", d.to_json())
+    d = _held(key, sig, x, eligible, disk=True)
+    if d is not None and d.source == "measured":
+        d = dataclasses.replace(d, source="process")
+    if d is None:
+        d, plan, conclusive = _measure(static, spec, x, t, modes, cd, out_stats, memory, sig, timed, cands)
+        if conclusive:
+            decision_cache(x.device).put(f"{_fingerprint(x.device)}|{sig}", d.to_json())
     if d.source != "static":
         _BY_KEY[key] = d
         logger.info("fused_preact: auto for %s: %s", sig, d.summary())
         return _choice(d), plan
     return BackendChoice(static.backend, static.skipped + (d.note,), d), None
-
-
-def _decide_rank0(static, key, spec, x, t, modes, cd, out_stats, memory, sig, timed, cands, eligible):
-    """Rank 0 decides (held decision or trials) and broadcasts ``(signature, decision)``; every rank
-    runs rank 0's winner. A rank whose signature differs, or whose device cannot run the winner, takes
-    the static choice and warns."""
-    import torch.distributed as dist
-
-    plan = None
-    payload: list = [None]
-    if dist.get_rank() == 0:
-        try:
-            d = _held(key, sig, x, eligible, disk=True)
-            if d is None:
-                d, plan, conclusive = _measure(static, spec, x, t, modes, cd, out_stats, memory, sig, timed, cands)
-                if conclusive:
-                    decision_cache(x.device).put(f"{_fingerprint(x.device)}|{sig}", d.to_json())
-            payload = [(sig, d.to_json())]
-        except Exception as e:  # noqa: BLE001 - the other ranks wait in the broadcast: always send
-            payload = [(sig, None, f"{type(e).__name__}: {e}")]
-            _broadcast(payload)
-            raise
-    _broadcast(payload)
-    sent = payload[0]
-    if dist.get_rank() == 0:
-        return Decision.from_json(sent[1]), plan
-    if sent[1] is None:
-        return Decision(sig, static.name, "static", memory, timed, [], f"rank 0 failed to decide: {sent[2]}"), None
-    d = Decision.from_json(sent[1])
-    if sent[0] != sig or d.winner not in eligible:
-        why = "a different signature" if sent[0] != sig else f"{d.winner!r}, which cannot serve this rank's input"
-        warnings.warn(f"fused_preact: rank {dist.get_rank()} got {why} from rank 0's backend='auto' decision; "
-                      f"static priority", RuntimeWarning, stacklevel=3)
-        return Decision(sig, static.name, "static", memory, timed, d.candidates, f"rank 0 decided {why}"), None
-    if d.source != "static":
-        d = dataclasses.replace(d, source="rank 0")
-    return d, None
 
 
 def traceable(choice: BackendChoice, spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BNMode, ...],
