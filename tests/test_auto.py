@@ -97,6 +97,22 @@ def _state(m):
 
 
 # -------------------------------------------------------------------------------------- deciding
+def test_a_forward_only_decision_is_not_reused_for_training_steps():
+    """An eval module first called under no_grad is decided on forward times; its first call with
+    autograd is another signature (grad mode is in the plan key), decided on forward+backward."""
+    m = _block().eval()
+    with auto.measuring(devices=(DEVICE,), timer=Timer({"triton": 1.0, "recompute": 2.0, "reference": 3.0})):
+        with torch.no_grad():
+            m(_x())
+    assert m.last_backend == "triton" and _decision(m).timed == "forward"
+    timer = Timer({"triton": 3.0, "recompute": 1.0, "reference": 2.0})
+    with auto.measuring(devices=(DEVICE,), timer=timer):
+        m(_x()).sum().backward()
+    assert sorted(timer.calls) == ["recompute", "reference", "triton"]
+    assert m.last_backend == "recompute"
+    assert sorted(c.decision.timed for c, _ in m._plans.values()) == ["forward", "forward+backward"]
+
+
 def test_fastest_valid_candidate_wins_and_state_changes_once():
     timer = Timer()
     m, twin = _block(), _block(backend="recompute")

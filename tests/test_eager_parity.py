@@ -247,6 +247,59 @@ def test_one_running_buffer_raises_as_eager(missing, train):
     assert errors[0] == errors[1]
 
 
+def _autograd_buffer_outcome(m, bn, case, grad, x_grad, frozen):
+    """Call ``m`` once (a cached plan), then give ``bn`` a running buffer autograd refuses and call it
+    again: the error (type, message) or, without one, the output and running buffers."""
+    m(_x(2, 4, 5, 5))
+    name = "running_var" if case.endswith("var") else "running_mean"
+    if case.startswith("requires-grad"):
+        getattr(bn, name).requires_grad_()
+    else:
+        with torch.inference_mode():
+            setattr(bn, name, getattr(bn, name).clone())
+    for p in m.parameters():
+        p.requires_grad_(not frozen)
+    try:
+        with torch.set_grad_enabled(grad):
+            y = m(_x(2, 4, 5, 5, seed=3, requires_grad=x_grad))
+    except RuntimeError as e:
+        return type(e), str(e)
+    return y.detach(), bn.running_mean.detach().clone(), bn.running_var.detach().clone()
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["params", "frozen"])
+@pytest.mark.parametrize("x_grad", [True, False], ids=["x-grad", "x"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("case", ["requires-grad-mean", "requires-grad-var", "inference-mean", "inference-var"])
+@pytest.mark.parametrize("kind", ["unit", "block-bn2"])
+def test_running_buffer_autograd_refuses_after_a_cached_call(kind, case, train, grad, x_grad, frozen):
+    """A running buffer that requires grad (``F.batch_norm``: not differentiable with respect to it) or
+    an inference tensor where the call records a graph (cannot be saved for backward): eager raises
+    on every call, whatever ran before; the fused module raised only on its first call. Without an
+    error (no grad mode, nothing requiring grad) both run alike, the buffers updated in place."""
+    if kind == "unit":
+        fused, eager = _twins()
+        pairs = ((fused, fused.bn), (eager, eager[0]))
+    else:
+        torch.manual_seed(0)
+        fused = FusedPreActBlock(4, 4, backend="auto").to(DEVICE)
+        eager = PreActBlock(4, 4).to(DEVICE)
+        eager.load_state_dict(fused.state_dict())
+        pairs = ((fused, fused.bn2), (eager, eager.bn2))
+    outcomes = []
+    for m, bn in pairs:
+        m.train(train)
+        outcomes.append(_autograd_buffer_outcome(m, bn, case, grad, x_grad, frozen))
+    got, want = outcomes
+    if isinstance(want[0], type):
+        assert got == want
+    else:
+        assert not isinstance(got[0], type), got
+        for a, b, what in zip(got, want, ("output", "running_mean", "running_var")):
+            assert_close(a, b, torch.float32, what)
+
+
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_cumulative_average_without_a_counter_as_eager(backend):
     """``momentum=None`` and ``num_batches_tracked`` set to None: ``nn.BatchNorm2d``'s factor stays 0,

@@ -32,20 +32,30 @@ __all__ = ["run_chain"]
 
 
 def _sig(v) -> Optional[tuple]:
-    return None if v is None else (v.dtype, v.device, v.shape, v.stride())
+    return None if v is None else (v.dtype, v.device, v.shape, v.stride(), v.requires_grad)
+
+
+def _buf_sig(v, tracing: bool) -> Optional[tuple]:
+    # a running buffer's: whether it is an inference tensor too (Dynamo cannot trace is_inference();
+    # a traced call's key is never stored)
+    return None if v is None else (v.dtype, v.device, v.shape, v.stride(), v.requires_grad,
+                                   not tracing and v.is_inference())
 
 
 def _signature(requested: str, spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes, cd, out_stats) -> tuple:
     """Everything a cached decision, validation and plan derive from: the chain, the BN modes and eps,
-    the layout, dtype and device of x and of every tensor of the call, the compute dtype and whether
-    autocast is on (it decides which dtype mixes validation accepts)."""
+    the layout, dtype and device of x and of every tensor of the call (and whether it requires grad
+    or is an inference tensor: eager's errors depend on both), the compute dtype, whether autocast is
+    on (it decides which dtype mixes validation accepts) and grad mode (``auto`` times forward only
+    without it)."""
+    tr = torch.compiler.is_compiling()
     per_unit = tuple((_sig(t.weights[i]), _sig(t.biases[i]), _sig(t.gammas[i]), _sig(t.betas[i]),
-                      _sig(t.running_means[i]), _sig(t.running_vars[i]), _sig(t.num_batches[i]), t.eps[i])
-                     for i in range(len(t.weights)))
+                      _buf_sig(t.running_means[i], tr), _buf_sig(t.running_vars[i], tr), _sig(t.num_batches[i]),
+                      t.eps[i]) for i in range(len(t.weights)))
     extra = (_sig(t.proj_weight), _sig(t.residual), _sig(t.ext_mean), _sig(t.ext_invstd),
              None if t.in_stats is None else _sig(t.in_stats.part))
     return (requested, spec, modes, x.shape, x.stride(), x.dtype, x.device, cd, autocast_enabled(x.device.type),
-            out_stats, per_unit, extra)
+            out_stats, per_unit, extra, x.requires_grad, torch.is_grad_enabled())
 
 
 def _check_like_eager(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BNMode, ...],
@@ -71,6 +81,33 @@ def _check_like_eager(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: 
             F.batch_norm(src.expand(2, C, 1, 1).contiguous(), rm.clone() if rm is not None else None,
                          rv.clone() if rv is not None else None, t.gammas[i], t.betas[i], training,
                          0.0 if t.momenta[i] is None else t.momenta[i], t.eps[i])
+        if torch.is_grad_enabled() and any(b is not None and (b.requires_grad or b.is_inference()) for b in (rm, rv)):
+            upstream = [x] + [v for j in range(i) for v in (t.weights[j], t.biases[j], t.gammas[j], t.betas[j])]
+            _check_buffers_under_autograd(src, t, i, training,
+                                          needs_input_grad=any(v is not None and v.requires_grad for v in upstream))
+
+
+def _check_buffers_under_autograd(src: torch.Tensor, t: ChainTensors, i: int, training: bool,
+                                  needs_input_grad: bool) -> None:
+    """Eager's errors for running buffers that autograd refuses: one that requires grad, and an inference
+    tensor where the call records a graph. ``F.batch_norm`` runs with grad on detached stand-ins (the
+    buffers' flags copied, nothing of the caller's in the graph), its saved tensors kept out of any
+    outer ``saved_tensors_hooks`` (a checkpoint counts what a forward saves)."""
+    def stand_in(v: Optional[torch.Tensor], requires_grad: bool) -> Optional[torch.Tensor]:
+        if v is None:
+            return None
+        if v.is_inference():
+            with torch.inference_mode():
+                return v.clone()
+        return v.detach().clone().requires_grad_(requires_grad and v.is_floating_point())
+
+    rm, rv = t.running_means[i], t.running_vars[i]
+    with torch.autograd.graph.saved_tensors_hooks(lambda v: v, lambda v: v):
+        F.batch_norm(stand_in(src.expand(2, -1, 1, 1).contiguous(), needs_input_grad),
+                     stand_in(rm, rm is not None and rm.requires_grad), stand_in(rv, rv is not None and rv.requires_grad),
+                     stand_in(t.gammas[i], t.gammas[i] is not None and t.gammas[i].requires_grad),
+                     stand_in(t.betas[i], t.betas[i] is not None and t.betas[i].requires_grad), training,
+                     0.0 if t.momenta[i] is None else t.momenta[i], t.eps[i])
 
 
 def _has_tangents(x: torch.Tensor, t: ChainTensors) -> bool:
