@@ -119,6 +119,42 @@ def test_candidates_are_clamped_and_unique():
     assert all(cfg.BLOCK_K <= 32 for cfg in candidates("dgrad", 10_000, 256, 256, torch.float32))
 
 
+def test_wgrad_rows_follow_the_arch(monkeypatch):
+    """256-row wgrad tiles (≤ 64 output channels) only where they compile without spills: sm_90,
+    16-bit activations (not autocast's fp32 input), stride 1; as default and as a candidate. A plan
+    takes the arch it is given (the static report's) or its device's (0 off CUDA)."""
+    from fused_preact.ops import BATCH, BNMode, ChainSpec, ConvGeom
+    from fused_preact.ops.triton import configs
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)  # the GPU's rules
+    wgrad_config = configs.wgrad_config
+    wide = GemmConfig(64, 64, 256, 4, 2)
+    assert wgrad_config(64, 64, 10**6, torch.bfloat16, arch=90) == wide
+    assert wgrad_config(64, 64, 10**6, torch.float16, arch=90) == wide
+    assert wgrad_config(16, 64, 10**6, torch.bfloat16, arch=90).BLOCK_K == 256
+    for kw in (dict(arch=80), dict(arch=0), dict(arch=90, x32=True), dict(arch=90, strided=True)):
+        assert wgrad_config(64, 64, 10**6, torch.bfloat16, **kw) == GemmConfig(64, 64, 128, 4, 3), kw
+    assert wgrad_config(128, 64, 10**6, torch.bfloat16, arch=90).BLOCK_K == 64
+    assert wgrad_config(64, 64, 10**6, torch.float32, arch=90).BLOCK_K == 32
+    assert wide in candidates("wgrad", 64, 64, 10**6, torch.bfloat16, arch=90)
+    for kw in (dict(arch=80), dict(arch=90, x32=True), dict(arch=90, strided=True)):
+        assert all(c.BLOCK_K <= 128 for c in candidates("wgrad", 64, 64, 10**6, torch.bfloat16, **kw)), kw
+    assert all(c.BLOCK_K <= 128 for c in candidates("wgrad", 128, 64, 10**6, torch.bfloat16, arch=90))
+
+    spec = ChainSpec((ConvGeom(64, 64, (3, 3), (1, 1), (1, 1)), ConvGeom(64, 64, (3, 3), (2, 2), (1, 1))))
+    modes = (BNMode(BATCH, True),) * 2
+    x = torch.empty(8, 64, 16, 16, device="meta").contiguous(memory_format=torch.channels_last)
+
+    def rows(x_dtype, **kw):
+        plan = triton_plans.TritonPlan(spec, modes, x.shape, x.stride(), x_dtype, x.device, torch.bfloat16, False,
+                                       False, tune=False, **kw)
+        return [u.wcfg.BLOCK_K for u in plan.units]
+
+    assert rows(torch.bfloat16, arch=90) == [256, 128]  # the second conv has stride 2
+    assert rows(torch.bfloat16, arch=80) == rows(torch.bfloat16) == [128, 128]
+    assert rows(torch.float32, arch=90) == [128, 128]  # autocast: the first conv reads fp32
+
+
 def test_tuning_can_be_disabled(monkeypatch):
     monkeypatch.setenv("FUSED_PREACT_AUTOTUNE", "0")
     assert not _tuning.tuning_enabled()

@@ -137,15 +137,16 @@ def _meta_tensors(spec, dtype):
 
 
 def _record(spec, modes, x_shape, dtype, out_stats: bool, overrides=None, split: Optional[int] = None,
-            x_dtype: Optional[torch.dtype] = None):
+            x_dtype: Optional[torch.dtype] = None, arch: int = 90):
     """The Launch records of one forward + backward of the chain (meta device: nothing runs), computing
-    in ``dtype`` on an input of ``x_dtype`` (default: ``dtype``; fp32 is autocast's case)."""
+    in ``dtype`` on an input of ``x_dtype`` (default: ``dtype``; fp32 is autocast's case), with the
+    tiles the plan chooses for compute capability ``arch``."""
     from fused_preact.ops.spec import GradNeeds
 
     TritonPlan, _, recording = _triton_backend()
     x = torch.empty(x_shape, device="meta", dtype=x_dtype or dtype).contiguous(memory_format=torch.channels_last)
     plan = TritonPlan(spec, modes, x.shape, x.stride(), x.dtype, x.device, dtype, False, out_stats,
-                      overrides=overrides, split=split, tune=False)
+                      overrides=overrides, split=split, tune=False, arch=arch)
     t = _meta_tensors(spec, dtype)
     with recording() as launches:
         fwd = plan.forward(x, t)
@@ -178,8 +179,9 @@ def _variant(rec) -> str:
 @dataclasses.dataclass(frozen=True)
 class _Run:
     """One recorded forward + backward of a chain: BN ``modes``, the output statistics epilogue,
-    per-kernel tile ``overrides`` (and the kernel they make candidates, ``tuned``), a wgrad ``split``
-    for ``archs`` only, and an input dtype other than the compute dtype (``x_dtype``: autocast)."""
+    per-kernel tile ``overrides`` (and the kernel they make candidates, ``tuned``), a wgrad ``split``,
+    the ``archs`` it is recorded for (None: every arch of :data:`SM_COUNT`), and an input dtype other
+    than the compute dtype (``x_dtype``: autocast)."""
 
     modes: tuple
     out_stats: bool
@@ -213,26 +215,50 @@ def chain_jobs(units: Sequence[UnitShape], dtypes: Sequence[torch.dtype]) -> lis
             modes = tuple(BNMode(BATCH, True, True) for _ in range(n))
             if dtype != torch.float32:  # autocast: an fp32 input, 16-bit compute (default tiles)
                 runs.append(_Run(modes, True, x_dtype=torch.float32))
-            plan, _ = _record(spec, modes, x_shape, dtype, True)
-            for kind in ("fprop", "dgrad", "wgrad"):
-                per_unit = [_unit_candidates(kind, u, dtype, candidates) for u in plan.units]
-                for j in range(max(len(c) for c in per_unit)):
-                    runs.append(_Run(modes, True, {kind: [c[min(j, len(c) - 1)] for c in per_unit]}, tuned=kind))
+            tuned: dict[tuple, list] = {}  # (kind, tiles per unit) -> the archs that list them
             for arch, sms in SM_COUNT.items():
+                plan, _ = _record(spec, modes, x_shape, dtype, True, arch=arch)
+                for kind in ("fprop", "dgrad", "wgrad"):
+                    per_unit = [_unit_candidates(kind, plan, i, dtype, candidates) for i in range(n)]
+                    for j in range(max(len(c) for c in per_unit)):
+                        tuned.setdefault((kind, tuple(c[min(j, len(c) - 1)] for c in per_unit)), []).append(arch)
                 split = _gpu_split(plan, sms)
                 if split > 1:
                     runs.append(_Run(modes, True, split=split, archs=(arch,)))
+            for (kind, tiles), archs in tuned.items():
+                runs.append(_Run(modes, True, {kind: list(tiles)}, tuned=kind,
+                                 archs=None if len(archs) == len(SM_COUNT) else tuple(archs)))
             for run in runs:
-                _, launches = _record(spec, run.modes, x_shape, dtype, run.out_stats, run.overrides, run.split,
-                                      run.x_dtype)
-                for rec in launches:
-                    # A candidate run overrides one kernel's tiles; its other launches keep their defaults.
-                    role = "candidate" if rec.name == run.tuned else "default"
-                    x32 = "x32" if run.x_dtype is not None and _reads_fp32(rec) else ""
-                    variant = " ".join(v for v in (_variant(rec), x32) if v)
-                    jobs.append(StaticJob(rec.name, _label(rec), rec.fn, rec.args, rec.kwargs, rec.name in _CONV,
-                                          variant, _NAMES[dtype], shape, run.archs, role))
+                # Recorded for each arch (the plan's tiles depend on it); a launch alike on all of them is
+                # one job for every arch.
+                run_archs = run.archs or tuple(SM_COUNT)
+                per_arch = [_record(spec, run.modes, x_shape, dtype, run.out_stats, run.overrides, run.split,
+                                    run.x_dtype, arch=arch)[1] for arch in run_archs]
+                first = per_arch[0]
+                aligned = all(len(o) == len(first) for o in per_arch)
+                for k in range(len(first)):
+                    if aligned and all(_same_launch(o[k], first[k]) for o in per_arch[1:]):
+                        targets = [(run.archs, first[k])]
+                    else:
+                        targets = [((arch,), o[k]) for arch, o in zip(run_archs, per_arch) if k < len(o)]
+                    for archs, rec in targets:
+                        # A candidate run overrides one kernel's tiles; its other launches keep their defaults.
+                        role = "candidate" if rec.name == run.tuned else "default"
+                        x32 = "x32" if run.x_dtype is not None and _reads_fp32(rec) else ""
+                        variant = " ".join(v for v in (_variant(rec), x32) if v)
+                        jobs.append(StaticJob(rec.name, _label(rec), rec.fn, rec.args, rec.kwargs, rec.name in _CONV,
+                                              variant, _NAMES[dtype], shape, archs, role))
     return jobs
+
+
+def _same_launch(a, b) -> bool:
+    """Whether two launch records are the same launch (kernel, grid, constexprs and arguments; tensors
+    by dtype, shape and strides)."""
+    def key(rec):
+        args = tuple((t.dtype, tuple(t.shape), t.stride()) if isinstance(t, torch.Tensor) else t for t in rec.args)
+        return rec.fn, rec.grid, tuple(sorted(rec.kwargs.items())), args
+
+    return key(a) == key(b)
 
 
 #: Kernel parameters that carry a chain's activations (input, residual, dx): fp32 in a 16-bit chain only
@@ -247,10 +273,12 @@ def _reads_fp32(rec) -> bool:
     return any(n in _ACTIVATIONS and getattr(a, "dtype", None) == torch.float32 for n, a in zip(names, rec.args))
 
 
-def _unit_candidates(kind: str, u, dtype, candidates) -> list:
+def _unit_candidates(kind: str, plan, i: int, dtype, candidates) -> list:
+    """The autotune candidates of unit i's ``kind`` kernel, as the plan's tuner lists them."""
+    u = plan.units[i]
     Cg, Kg = u.in_shape[1] // u.geom.groups, u.out_shape[1] // u.geom.groups
     dims = {"fprop": (u.M_out, Kg, Cg), "dgrad": (u.M_in, Cg, Kg), "wgrad": (Kg, Cg, u.M_out)}[kind]
-    return candidates(kind, *dims, dtype)
+    return candidates(kind, *dims, dtype, **(plan.wgrad_tile_args(i, u.geom) if kind == "wgrad" else {}))
 
 
 def _gpu_split(plan, sms: int) -> int:

@@ -16,7 +16,7 @@ from fused_preact.ops._common import interpreting, triton
 from fused_preact.ops.spec import BNMode, ConvGeom
 
 __all__ = ["GemmConfig", "UnitPlan", "fprop_config", "dgrad_config", "wgrad_config", "candidates", "wgrad_split",
-           "p2", "contig_nhwc", "out_strides", "nhwc_strides_of", "is_channels_last", "max_offset",
+           "arch_of", "p2", "contig_nhwc", "out_strides", "nhwc_strides_of", "is_channels_last", "max_offset",
            "INTERP_SUM_ROWS", "FOLD_BLOCK", "INT32_MAX"]
 
 INT32_MAX = 2**31 - 1
@@ -74,20 +74,33 @@ def dgrad_config(M: int, Cg: int, Kg: int, dtype: torch.dtype) -> GemmConfig:
     return GemmConfig(64, p2(Cg, 16, 64 if fp32 or block_k < 64 else 128), block_k, 4, 3)
 
 
-def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype) -> GemmConfig:
+def _wide_wgrad_rows(arch: int, dtype: torch.dtype, x32: bool, strided: bool) -> bool:
+    """Whether wgrad tiles of ≤ 64 output channels may take 256 rows: on sm_90 (compute capability
+    ``arch`` ≥ 90) with 16-bit activations of a stride-1 conv. Elsewhere they spill at 255 registers
+    (sm_80; autocast's fp32 activations, ``x32``; strided convs' row arithmetic)."""
+    return arch >= 90 and dtype in (torch.float16, torch.bfloat16) and not x32 and not strided
+
+
+def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x32: bool = False,
+                 strided: bool = False) -> GemmConfig:
     """Default wgrad tiles: BLOCK_M over output channels, BLOCK_N over input channels, BLOCK_K over
     the reduction (N·P·Q rows). The kernel computes dWᵀ: BLOCK_N is the MMA's M (64 per warpgroup on
     sm_90, so 64 with 4 warps: one warpgroup, one register A fragment), BLOCK_M its N (up to 128 in
     pieces of 64; 256 spills on sm_80). With 64 or fewer output channels a row carries half the MMA
-    work or less, so the tile takes 128 rows: the per-row costs (transform, addresses, padding tests)
-    stay the same while the per-iteration ones halve (static issue ratio, PreActResNet-50's 3×3
-    64→64 on sm_90: 1.22 with 64 rows, 1.03 with 128)."""
+    work or less, so the tile takes more rows: the per-row costs (transform, addresses, padding tests)
+    stay the same while the per-iteration ones shrink (static issue ratio, PreActResNet-50's 3×3
+    64→64 on sm_90: 1.22 with 64 rows, 1.03 with 128, 0.96 with 256 in 2 stages). 256 rows where
+    :func:`_wide_wgrad_rows` allows them (``arch``: compute capability as 10·major + minor, 0 unknown;
+    ``x32``: the activations are fp32 under a 16-bit ``dtype``; ``strided``: a conv stride > 1), else 128.
+    """
     if interpreting():  # the kernel holds at most 4 pieces of output channels: BLOCK_M ≤ 4·BLOCK_N
         bm = p2(Kg, 16, 256)
         return GemmConfig(bm, max(p2(Cg, 16, 256), bm // 4), p2(M, 16, 4096))
     if dtype == torch.float32:  # fp32 operands (TF32 MMA): half the rows per block
         return GemmConfig(p2(Kg, 16, 64), 64, 32, 4, 4)
     bm = p2(Kg, 16, 128)
+    if bm <= 64 and _wide_wgrad_rows(arch, dtype, x32, strided):
+        return GemmConfig(bm, 64, 256, 4, 2)
     return GemmConfig(bm, 64, 128 if bm <= 64 else 64, 4, 3)
 
 
@@ -100,14 +113,20 @@ _DGRAD_SPACE = ((64, 128, 64, 4, 3), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4))
 #: wgrad: (output channels, input channels, rows) per tile; one warpgroup (8 warps put a third
 #: barrier in the loop on sm_90), 256 output channels spill on sm_80.
 _WGRAD_SPACE = ((128, 64, 64, 4, 3), (128, 64, 64, 4, 4), (64, 64, 128, 4, 3))
+#: wgrad where :func:`_wide_wgrad_rows` allows 256-row tiles (≤ 64 output channels).
+_WGRAD_WIDE = ((64, 64, 256, 4, 2),)
 
 
-def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype) -> list[GemmConfig]:
+def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int = 0, x32: bool = False,
+               strided: bool = False) -> list[GemmConfig]:
     """The pruned tile space of a conv kernel for an (m × k)·(k × n) GEMM (``kind``: fprop, dgrad
     or wgrad; for wgrad m is the output channels, n the input channels, k the rows): blocks clamped to
-    the problem (powers of two ≥ 16), duplicates removed."""
+    the problem (powers of two ≥ 16), duplicates removed. ``arch``, ``x32``, ``strided``: as
+    :func:`wgrad_config` (wgrad's 256-row tiles)."""
     half = 2 if dtype == torch.float32 else 1
     space = {"fprop": _FPROP_SPACE, "dgrad": _DGRAD_SPACE, "wgrad": _WGRAD_SPACE}[kind]
+    if kind == "wgrad" and m <= 64 and _wide_wgrad_rows(arch, dtype, x32, strided):
+        space = space + _WGRAD_WIDE
     out: list[GemmConfig] = []
     for bm, bn, bk, warps, stages in space:
         if half == 2 and (bm > 64 or bn > 64):  # fp32 operands: 64×64 tiles at most
@@ -125,6 +144,14 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype) -> list[Ge
         if cfg not in out:
             out.append(cfg)
     return out
+
+
+def arch_of(device: torch.device) -> int:
+    """Compute capability of a CUDA ``device`` as 10·major + minor (90 for an H100); 0 for other devices."""
+    if device.type != "cuda":
+        return 0
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 @functools.lru_cache(maxsize=None)

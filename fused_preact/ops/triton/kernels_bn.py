@@ -158,8 +158,8 @@ def _finalize_kernel(
 def _splitk_sum(part_ptr, dw_ptr, swk, swc, swr, sws, blk,
                 K, CG, R: tl.constexpr, S: tl.constexpr, SPLIT,
                 BLOCK_E: tl.constexpr):
-    """dw[k, c, r, s] = Σ_split part[split, k, c, r, s] (fixed order) for flat block ``blk`` of the
-    K·CG·R·S entries, stored in dw's dtype and strides. ``SPLIT`` is a runtime value: one compilation
+    """dw[k, c, r, s] = Σ_split part[split, r, s, k, c] (fixed order) for flat block ``blk`` of the
+    R·S·K·CG entries, stored in dw's dtype and strides. ``SPLIT`` is a runtime value: one compilation
     serves every split count."""
     NUMEL = K * CG * R * S
     e = blk * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -167,10 +167,11 @@ def _splitk_sum(part_ptr, dw_ptr, swk, swc, swr, sws, blk,
     acc = tl.zeros([BLOCK_E], dtype=tl.float32)
     for i in range(SPLIT):
         acc += tl.load(part_ptr + i * NUMEL + e, mask=emask, other=0.0)
-    s = e % S
-    r = (e // S) % R
-    c = (e // (R * S)) % CG
-    k = e // (CG * R * S)
+    c = e % CG
+    k = (e // CG) % K
+    rs = e // (CG * K)
+    r = rs // S
+    s = rs - r * S
     tl.store(dw_ptr + k * swk + c * swc + r * swr + s * sws, acc.to(dw_ptr.dtype.element_ty), mask=emask)
 
 

@@ -83,7 +83,8 @@ def _dy_piece(dy_ptr, off, kb, j: tl.constexpr, Kg, g, sdc, valid, USE_ROWS: tl.
 def _dw_piece(dw_ptr, acc, kb, j: tl.constexpr, Kg, Cg, K, g, offs_c, c_mask, r, s, rs, split, swk, swc, swr, sws,
               R: tl.constexpr, S: tl.constexpr, SPLIT_K: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr):
     """Store the accumulator of piece ``j`` (input channels × output channels) into dW (transposed
-    through the strides) or, with SPLIT_K, into the fp32 partials ``[split, k, c, r, s]``."""
+    through the strides) or, with SPLIT_K, into the fp32 partials ``[split, r, s, k, c]`` (tap-major,
+    input channels innermost: a tile's partials are contiguous rows of c)."""
     offs_k = kb * BLOCK_M + j * KP + tl.arange(0, KP)
     k_glob = g * Kg + offs_k
     mask = c_mask[:, None] & (offs_k < Kg)[None, :]
@@ -91,8 +92,8 @@ def _dw_piece(dw_ptr, acc, kb, j: tl.constexpr, Kg, Cg, K, g, offs_c, c_mask, r,
         tl.store(dw_ptr + k_glob[None, :] * swk + offs_c[:, None] * swc + r * swr + s * sws,
                  acc.to(dw_ptr.dtype.element_ty), mask=mask)
     else:  # a weight-sized slice is < 2**31 elements: int32 offsets from an int64 base
-        base = dw_ptr + (split.to(tl.int64) * K * Cg * (R * S) + rs)
-        tl.store(base + (k_glob[None, :] * Cg + offs_c[:, None]) * (R * S), acc, mask=mask)
+        base = dw_ptr + (split * (R * S) + rs).to(tl.int64) * K * Cg
+        tl.store(base + (k_glob[None, :] * Cg + offs_c[:, None]), acc, mask=mask)
 
 
 @triton.jit

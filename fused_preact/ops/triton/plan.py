@@ -29,6 +29,7 @@ from fused_preact.ops.spec import (
     ChainGrads,
     ChainSpec,
     ChainTensors,
+    ConvGeom,
     GradNeeds,
     SavedChain,
     StatsHandoff,
@@ -40,6 +41,7 @@ from fused_preact.ops.triton.configs import (
     INTERP_SUM_ROWS,
     GemmConfig,
     UnitPlan,
+    arch_of,
     candidates,
     contig_nhwc,
     dgrad_config,
@@ -70,13 +72,16 @@ class TritonPlan:
         overrides: ``{"fprop" | "dgrad" | "wgrad": GemmConfig or [GemmConfig per unit]}`` forced tiles
             (tuning, the static report); split: forced wgrad K-split (also the projection's); tune:
             look up / tune tiles (:mod:`.tuning`) when tuning is enabled and the device is a GPU.
+        arch: compute capability the tiles are for (10·major + minor; default: the device's, 0 off
+            CUDA); the static report plans for each arch on the meta device.
     """
 
     def __init__(self, spec: ChainSpec, modes: tuple[BNMode, ...], x_shape, x_strides, x_dtype: torch.dtype,
                  device: torch.device, cdtype: torch.dtype, in_stats: bool, out_stats: bool,
                  residual_dtype: Optional[torch.dtype] = None, overrides: Optional[dict] = None,
-                 split: Optional[int] = None, tune: bool = True):
+                 split: Optional[int] = None, tune: bool = True, arch: Optional[int] = None):
         self.spec, self.modes, self.device, self.cdtype = spec, modes, device, cdtype
+        self.arch = arch_of(device) if arch is None else arch
         self.x_shape, self.x_strides, self.x_dtype = tuple(x_shape), tuple(x_strides), x_dtype
         self.in_stats, self.out_stats = in_stats, out_stats
         self.channels_last = is_channels_last(self.x_shape, self.x_strides)
@@ -101,15 +106,21 @@ class TritonPlan:
             unit = UnitPlan(g, shapes[i], shapes[i + 1], in_strides, out_st, modes[i],
                             over.get("fprop") or fprop_config(N * P * Q, Kg, Cg, cdtype, stats_out),
                             over.get("dgrad") or dgrad_config(N * H * W, Cg, Kg, cdtype),
-                            over.get("wgrad") or wgrad_config(Kg, Cg, N * P * Q, cdtype), 1, stats_out)
+                            over.get("wgrad") or wgrad_config(Kg, Cg, N * P * Q, cdtype, **self.wgrad_tile_args(i, g)), 1,
+                            stats_out)
             if tune and overrides is None and _tunes_on(device):
-                _tune_unit(self, unit)
+                _tune_unit(self, unit, i)
             unit.split = split or wgrad_split(unit.M_out, unit.wgrad_tiles(), unit.wcfg.BLOCK_K, device)
             self.units.append(unit)
         self._plan_proj(split)
         self._plan_buffers()
         big = max_offset(self.x_shape, nhwc_strides_of(self.x_strides))
         self.idx64 = max([big] + [max_offset(s, contig_nhwc(s)) + 1 for s in shapes[1:]]) >= INT32_MAX
+
+    def wgrad_tile_args(self, i: int, g: ConvGeom) -> dict:
+        """wgrad_config's and candidates' arch arguments for the conv ``g`` reading unit i's input."""
+        x32 = i == 0 and self.x_dtype == torch.float32 and self.cdtype != torch.float32
+        return dict(arch=self.arch, x32=x32, strided=g.stride != (1, 1))
 
     # ------------------------------------------------------------------------------------ layout
     def _plan_proj(self, split: Optional[int]) -> None:
@@ -122,7 +133,7 @@ class TritonPlan:
         K, (P, Q) = spec.proj.out_channels, spec.proj.out_hw(H, W)
         self.proj_shape = (N, K, P, Q)
         self.proj_fcfg = fprop_config(N * P * Q, K, C, self.cdtype, False)
-        self.proj_wcfg = wgrad_config(K, C, N * P * Q, self.cdtype)
+        self.proj_wcfg = wgrad_config(K, C, N * P * Q, self.cdtype, **self.wgrad_tile_args(0, spec.proj))
         tiles = triton.cdiv(K, self.proj_wcfg.BLOCK_M) * triton.cdiv(C, self.proj_wcfg.BLOCK_N)
         self.proj_split = split or wgrad_split(N * P * Q, tiles, self.proj_wcfg.BLOCK_K, self.device)
         # The projection as a unit of its own (its fprop when the chain returns it separately).
@@ -356,8 +367,8 @@ def _tunes_on(device: torch.device) -> bool:
     return device.type == "cuda" and tuning_enabled()
 
 
-def _tune_unit(plan: TritonPlan, u: UnitPlan) -> None:
-    """Pick u's fprop, dgrad and wgrad tiles from the tuning cache or by timing the candidates."""
+def _tune_unit(plan: TritonPlan, u: UnitPlan, i: int) -> None:
+    """Pick the fprop, dgrad and wgrad tiles of u (unit i) from the tuning cache or by timing the candidates."""
     g = u.geom
     N, C, H, W = u.in_shape
     K = u.out_shape[1]
@@ -370,26 +381,29 @@ def _tune_unit(plan: TritonPlan, u: UnitPlan) -> None:
         attr = {"fprop": "fcfg", "dgrad": "dcfg", "wgrad": "wcfg"}[kind]
         rows = u.M_in if kind == "dgrad" else u.M_out
         key = f"{kind}|{base}|M{triton.next_power_of_2(rows)}|stats{int(u.stats_out)}"
-        best = choose(cache, key, candidates(kind, m, n, k, plan.cdtype), getattr(u, attr),
-                      lambda cfg, kind=kind: _time_config(plan, u, kind, cfg), dataclasses.asdict,
+        wide = plan.wgrad_tile_args(i, g) if kind == "wgrad" else {}
+        best = choose(cache, key, candidates(kind, m, n, k, plan.cdtype, **wide), getattr(u, attr),
+                      lambda cfg, kind=kind: _time_config(plan, u, i, kind, cfg), dataclasses.asdict,
                       lambda d: GemmConfig(**d))
         setattr(u, attr, best)
 
 
-def _time_config(plan: TritonPlan, u: UnitPlan, kind: str, cfg: GemmConfig) -> float:
-    """ms of u's ``kind`` kernel with tiles ``cfg``, on random data of u's shapes (a one-unit plan)."""
+def _time_config(plan: TritonPlan, u: UnitPlan, i: int, kind: str, cfg: GemmConfig) -> float:
+    """ms of the ``kind`` kernel of u (unit i) with tiles ``cfg``, on random data of u's shapes and
+    input dtype (a one-unit plan for the same arch)."""
     import triton.testing
 
     dev, cd = plan.device, plan.cdtype
     N, C, H, W = u.in_shape
+    x_dtype = plan.x_dtype if i == 0 else cd
     one = TritonPlan(ChainSpec((u.geom,)), (BNMode(BATCH, True),), u.in_shape, (H * W * C, 1, W * C, C),
-                     plan.x_dtype, dev, cd, False, u.stats_out, overrides={kind: cfg},
-                     split=u.split if kind != "wgrad" else None)
+                     x_dtype, dev, cd, False, u.stats_out, overrides={kind: cfg},
+                     split=u.split if kind != "wgrad" else None, arch=plan.arch)
     g = u.geom
     w = torch.randn((g.out_channels, C // g.groups, *g.kernel), device=dev, dtype=cd)
     t = ChainTensors([w.contiguous(memory_format=torch.channels_last)], [None], [torch.rand(C, device=dev) + 0.5],
                      [torch.randn(C, device=dev)], [None], [None], [None], [0.1], [1e-5])
-    x = torch.randn(u.in_shape, device=dev, dtype=plan.x_dtype).contiguous(memory_format=torch.channels_last)
+    x = torch.randn(u.in_shape, device=dev, dtype=x_dtype).contiguous(memory_format=torch.channels_last)
     fwd = one.forward(x, t)
     with launch.recording() as launches:
         if kind == "fprop":
