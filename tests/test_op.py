@@ -170,6 +170,17 @@ def test_momentum_one_and_zero(backend):
     _run(SHAPES[4], True, False, torch.float32, momentum=0.0, backend=backend)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_wide_wgrad_tiles_with_split_k(monkeypatch, dtype):
+    """sm_90's wgrad tiles of 64 output channels (256 rows, 2 stages) with split-K partials (tap-major)
+    run through the interpreter: 64 → 64 channels 3×3 over 2·20·20 = 800 rows in 3 splits, i.e. 267-row
+    chunks of one full and one partial row block each."""
+    monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: GemmConfig(64, 64, 256, 4, 2))
+    monkeypatch.setattr(triton_plans, "wgrad_split", lambda m_total, tiles, block_k, device: 3)
+    monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
+    _run((2, 64, 20, 20, 64, 3, 1, 1, 1, 1), True, True, dtype)
+
+
 @pytest.mark.parametrize("split", [2, 3])
 def test_wgrad_split_k(monkeypatch, split):
     """The deterministic split-K path of the wgrad kernel (used on GPUs for long reductions)."""
