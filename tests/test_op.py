@@ -170,6 +170,15 @@ def test_momentum_one_and_zero(backend):
     _run(SHAPES[4], True, False, torch.float32, momentum=0.0, backend=backend)
 
 
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[10]], ids=_ids)
+def test_fprop_unrolled_loop(monkeypatch, shape):
+    """fprop with its main loop unrolled twice (GPU tiles of :func:`fprop_unroll`) on small tiles:
+    9 taps × 1 chunk (an odd trip count: the unrolled loop's remainder) and 9 taps × 3 chunks."""
+    monkeypatch.setattr(triton_plans, "fprop_config", lambda *args, **kwargs: GemmConfig(16, 16, 16, unroll=2))
+    monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
+    _run(shape, True, True, torch.float16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_wide_wgrad_tiles_with_split_k(monkeypatch, dtype):
     """sm_90's wgrad tiles of 64 output channels (256 rows, 2 stages) with split-K partials (tap-major)

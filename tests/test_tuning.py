@@ -155,6 +155,25 @@ def test_wgrad_rows_follow_the_arch(monkeypatch):
     assert rows(torch.float32, arch=90) == [128, 128]  # autocast: the first conv reads fp32
 
 
+def test_fprop_unrolls_where_the_arch_allows(monkeypatch):
+    """fprop's main loop runs unrolled twice only on sm_90, in 16-bit, stride 1, not on autocast's
+    fp32 activations, and not with 128×64×64 tiles (they spill unrolled); candidates alike."""
+    from fused_preact.ops.triton import configs
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    fprop_config = configs.fprop_config
+    # Kg = 256: 64×128×64 tiles; Kg = 16: 128×16×64 (narrow); Kg = 64: 128×64×64
+    assert fprop_config(10**6, 256, 64, torch.bfloat16, True, arch=90).unroll == 2
+    assert fprop_config(10**6, 16, 64, torch.float16, True, arch=90).unroll == 2
+    assert fprop_config(10**6, 64, 64, torch.bfloat16, True, arch=90).unroll == 1
+    for kw in (dict(arch=80), dict(arch=0), dict(arch=90, x32=True), dict(arch=90, strided=True)):
+        assert fprop_config(10**6, 256, 64, torch.bfloat16, True, **kw).unroll == 1, kw
+    assert fprop_config(10**6, 256, 64, torch.float32, True, arch=90).unroll == 1
+    unrolled = {c.label() for c in candidates("fprop", 10**6, 256, 64, torch.bfloat16, arch=90) if c.unroll == 2}
+    assert unrolled and all("128x64x64" not in lab for lab in unrolled)
+    assert all(c.unroll == 1 for c in candidates("fprop", 10**6, 256, 64, torch.bfloat16, arch=80))
+
+
 def test_tuning_can_be_disabled(monkeypatch):
     monkeypatch.setenv("FUSED_PREACT_AUTOTUNE", "0")
     assert not _tuning.tuning_enabled()

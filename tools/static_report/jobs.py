@@ -160,7 +160,8 @@ def _record(spec, modes, x_shape, dtype, out_stats: bool, overrides=None, split:
 def _label(rec) -> str:
     k = rec.kwargs
     if "BLOCK_N" in k and "BLOCK_K" in k:
-        return f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{k.get('num_warps', 4)} s{k.get('num_stages', 3)}"
+        return (f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{k.get('num_warps', 4)} s{k.get('num_stages', 3)}"
+                + (f" u{k['UNROLL']}" if k.get("UNROLL", 1) != 1 else ""))
     if "BLOCK_R" in k:
         return (f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_R']} w{k.get('num_warps', 4)} s{k.get('num_stages', 3)}"
                 + (" splitK" if k.get("SPLIT_K") else ""))
@@ -278,7 +279,7 @@ def _unit_candidates(kind: str, plan, i: int, dtype, candidates) -> list:
     u = plan.units[i]
     Cg, Kg = u.in_shape[1] // u.geom.groups, u.out_shape[1] // u.geom.groups
     dims = {"fprop": (u.M_out, Kg, Cg), "dgrad": (u.M_in, Cg, Kg), "wgrad": (Kg, Cg, u.M_out)}[kind]
-    return candidates(kind, *dims, dtype, **(plan.wgrad_tile_args(i, u.geom) if kind == "wgrad" else {}))
+    return candidates(kind, *dims, dtype, **(plan.tile_args(i, u.geom) if kind in ("fprop", "wgrad") else {}))
 
 
 def _gpu_split(plan, sms: int) -> int:

@@ -141,7 +141,7 @@ def _fprop_kernel(
     HAS_BIAS: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_RES: tl.constexpr, STATS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
     PRO16: tl.constexpr, EVEN_C: tl.constexpr, EVEN_N: tl.constexpr, ONE_CK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """``y[m, k] = Σ_{r,s,c} relu(x[pix(m,r,s), c]·scale[c] + shift[c]) · w[k, c, r, s]`` (+ bias[k]).
 
@@ -248,7 +248,7 @@ def _fprop_kernel(
     c_off = 0
     r = 0
     s = 0
-    for _ in range(n_iter):
+    for _ in tl.range(n_iter, loop_unroll_factor=UNROLL):  # UNROLL 2: see configs.fprop_unroll
         tap = r * S + s
         c_mask = None if EVEN_C else c_off + kk < Cg
         tap_off = (r * DIL_H) * sxh + (s * DIL_W) * sxw

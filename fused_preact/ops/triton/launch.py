@@ -185,7 +185,7 @@ def fprop(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Tensor, 
               **_dot(cdtype, idx64), PRO16=pro16, EVEN_C=even_c, EVEN_N=Kg % cfg.BLOCK_N == 0,
               ONE_CK=Cg <= cfg.BLOCK_K,
               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, BLOCK_K2=block_k2,
-              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+              UNROLL=cfg.unroll, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if _recorder is not None:
         _record(name, FK._fprop_kernel, grid, args, kw)
     else:

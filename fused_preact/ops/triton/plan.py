@@ -104,9 +104,10 @@ class TritonPlan:
             Cg, Kg = C // g.groups, K // g.groups
             over = {k: (v[i] if isinstance(v, (list, tuple)) else v) for k, v in (overrides or {}).items()}
             unit = UnitPlan(g, shapes[i], shapes[i + 1], in_strides, out_st, modes[i],
-                            over.get("fprop") or fprop_config(N * P * Q, Kg, Cg, cdtype, stats_out),
+                            over.get("fprop") or fprop_config(N * P * Q, Kg, Cg, cdtype, stats_out,
+                                                              **self.tile_args(i, g)),
                             over.get("dgrad") or dgrad_config(N * H * W, Cg, Kg, cdtype),
-                            over.get("wgrad") or wgrad_config(Kg, Cg, N * P * Q, cdtype, **self.wgrad_tile_args(i, g)), 1,
+                            over.get("wgrad") or wgrad_config(Kg, Cg, N * P * Q, cdtype, **self.tile_args(i, g)), 1,
                             stats_out)
             if tune and overrides is None and _tunes_on(device):
                 _tune_unit(self, unit, i)
@@ -117,8 +118,9 @@ class TritonPlan:
         big = max_offset(self.x_shape, nhwc_strides_of(self.x_strides))
         self.idx64 = max([big] + [max_offset(s, contig_nhwc(s)) + 1 for s in shapes[1:]]) >= INT32_MAX
 
-    def wgrad_tile_args(self, i: int, g: ConvGeom) -> dict:
-        """wgrad_config's and candidates' arch arguments for the conv ``g`` reading unit i's input."""
+    def tile_args(self, i: int, g: ConvGeom) -> dict:
+        """The tile rules' arguments (:func:`wgrad_config`, :func:`fprop_config`, ``candidates``) for
+        the conv ``g`` reading unit i's input: arch, x32 (fp32 activations under 16-bit compute), strided."""
         x32 = i == 0 and self.x_dtype == torch.float32 and self.cdtype != torch.float32
         return dict(arch=self.arch, x32=x32, strided=g.stride != (1, 1))
 
@@ -132,8 +134,8 @@ class TritonPlan:
         N, C, H, W = self.x_shape
         K, (P, Q) = spec.proj.out_channels, spec.proj.out_hw(H, W)
         self.proj_shape = (N, K, P, Q)
-        self.proj_fcfg = fprop_config(N * P * Q, K, C, self.cdtype, False)
-        self.proj_wcfg = wgrad_config(K, C, N * P * Q, self.cdtype, **self.wgrad_tile_args(0, spec.proj))
+        self.proj_fcfg = fprop_config(N * P * Q, K, C, self.cdtype, False, **self.tile_args(0, spec.proj))
+        self.proj_wcfg = wgrad_config(K, C, N * P * Q, self.cdtype, **self.tile_args(0, spec.proj))
         tiles = triton.cdiv(K, self.proj_wcfg.BLOCK_M) * triton.cdiv(C, self.proj_wcfg.BLOCK_N)
         self.proj_split = split or wgrad_split(N * P * Q, tiles, self.proj_wcfg.BLOCK_K, self.device)
         # The projection as a unit of its own (its fprop when the chain returns it separately).
@@ -381,7 +383,7 @@ def _tune_unit(plan: TritonPlan, u: UnitPlan, i: int) -> None:
         attr = {"fprop": "fcfg", "dgrad": "dcfg", "wgrad": "wcfg"}[kind]
         rows = u.M_in if kind == "dgrad" else u.M_out
         key = f"{kind}|{base}|M{triton.next_power_of_2(rows)}|stats{int(u.stats_out)}"
-        wide = plan.wgrad_tile_args(i, g) if kind == "wgrad" else {}
+        wide = plan.tile_args(i, g) if kind in ("fprop", "wgrad") else {}
         best = choose(cache, key, candidates(kind, m, n, k, plan.cdtype, **wide), getattr(u, attr),
                       lambda cfg, kind=kind: _time_config(plan, u, i, kind, cfg), dataclasses.asdict,
                       lambda d: GemmConfig(**d))
