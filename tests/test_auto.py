@@ -97,6 +97,19 @@ def _state(m):
 
 
 # -------------------------------------------------------------------------------------- deciding
+def test_a_finer_plan_key_reuses_the_process_decision():
+    """Calls that differ only in what the plan key adds to the decision's signature (here x's
+    requires_grad) reuse this process's decision, labelled ``process``, with nothing measured."""
+    m = _block()
+    with auto.measuring(devices=(DEVICE,), timer=Timer()):
+        m(_x()).sum().backward()
+    with auto.measuring(devices=(DEVICE,), timer=_forbidden):
+        x = _x().detach()
+        m(x).sum().backward()
+    sources = sorted(c.decision.source for c, _ in m._plans.values())
+    assert sources == ["measured", "process"]
+
+
 def test_a_forward_only_decision_is_not_reused_for_training_steps():
     """An eval module first called under no_grad is decided on forward times; its first call with
     autograd is another signature (grad mode is in the plan key), decided on forward+backward."""

@@ -247,10 +247,11 @@ def test_one_running_buffer_raises_as_eager(missing, train):
     assert errors[0] == errors[1]
 
 
-def _autograd_buffer_outcome(m, bn, case, grad, x_grad, frozen):
-    """Call ``m`` once (a cached plan), then give ``bn`` a running buffer autograd refuses and call it
-    again: the error (type, message) or, without one, the output and running buffers."""
-    m(_x(2, 4, 5, 5))
+def _autograd_buffer_outcome(m, bn, case, grad, x_grad, frozen, cached):
+    """Call ``m`` once if ``cached`` (a cached plan), give ``bn`` a running buffer autograd refuses and
+    call it: the error (type, message) or, without one, the output and running buffers."""
+    if cached:
+        m(_x(2, 4, 5, 5))
     name = "running_var" if case.endswith("var") else "running_mean"
     if case.startswith("requires-grad"):
         getattr(bn, name).requires_grad_()
@@ -267,17 +268,19 @@ def _autograd_buffer_outcome(m, bn, case, grad, x_grad, frozen):
     return y.detach(), bn.running_mean.detach().clone(), bn.running_var.detach().clone()
 
 
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "first"])
 @pytest.mark.parametrize("frozen", [False, True], ids=["params", "frozen"])
 @pytest.mark.parametrize("x_grad", [True, False], ids=["x-grad", "x"])
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("case", ["requires-grad-mean", "requires-grad-var", "inference-mean", "inference-var"])
 @pytest.mark.parametrize("kind", ["unit", "block-bn2"])
-def test_running_buffer_autograd_refuses_after_a_cached_call(kind, case, train, grad, x_grad, frozen):
+def test_running_buffer_autograd_refuses(kind, case, train, grad, x_grad, frozen, cached):
     """A running buffer that requires grad (``F.batch_norm``: not differentiable with respect to it) or
     an inference tensor where the call records a graph (cannot be saved for backward): eager raises
-    on every call, whatever ran before; the fused module raised only on its first call. Without an
-    error (no grad mode, nothing requiring grad) both run alike, the buffers updated in place."""
+    on every call, whatever ran before, and so must the fused module, on a first call and after a
+    cached one. Without an error (no grad mode, nothing requiring grad) both run alike, the buffers
+    updated in place."""
     if kind == "unit":
         fused, eager = _twins()
         pairs = ((fused, fused.bn), (eager, eager[0]))
@@ -290,7 +293,7 @@ def test_running_buffer_autograd_refuses_after_a_cached_call(kind, case, train, 
     outcomes = []
     for m, bn in pairs:
         m.train(train)
-        outcomes.append(_autograd_buffer_outcome(m, bn, case, grad, x_grad, frozen))
+        outcomes.append(_autograd_buffer_outcome(m, bn, case, grad, x_grad, frozen, cached))
     got, want = outcomes
     if isinstance(want[0], type):
         assert got == want
@@ -298,6 +301,53 @@ def test_running_buffer_autograd_refuses_after_a_cached_call(kind, case, train, 
         assert not isinstance(got[0], type), got
         for a, b, what in zip(got, want, ("output", "running_mean", "running_var")):
             assert_close(a, b, torch.float32, what)
+
+
+def _outcome(fn):
+    try:
+        y = fn()
+    except RuntimeError as e:
+        return type(e), str(e)
+    return tuple(y.shape)
+
+
+@pytest.mark.parametrize("case", ["requires-grad-mean", "inference-var"])
+def test_empty_batch_with_a_refused_buffer_runs_as_eager(case):
+    """An empty batch: eager's batch_norm returns before it reads the running buffers, so a buffer
+    autograd would refuse raises nothing (the case of a rank with no samples)."""
+    outcomes = []
+    for m in _twins():
+        bn = m.bn if isinstance(m, FusedBNReLUConv2d) else m[0]
+        if case == "requires-grad-mean":
+            bn.running_mean.requires_grad_()
+        else:
+            with torch.inference_mode():
+                bn.running_var = bn.running_var.clone()
+        outcomes.append(_outcome(lambda: m(_x(0, 4, 5, 5))))
+    assert outcomes[0] == outcomes[1] == (0, 6, 5, 5)
+
+
+@pytest.mark.parametrize("what", ["module", "num_batches_tracked"])
+def test_inference_tensors_of_the_module_as_eager(what):
+    """A module built under inference_mode, run in eval with grad on (eager: its tensors cannot be
+    saved for backward); an inference-tensor num_batches_tracked in training (eager: the in-place
+    count refused). Same error types and messages."""
+    if what == "module":
+        with torch.inference_mode():
+            twins = _twins()
+    else:
+        twins = _twins()
+    outcomes = []
+    for m in twins:
+        bn = m.bn if isinstance(m, FusedBNReLUConv2d) else m[0]
+        if what == "module":
+            m.eval()
+        else:
+            with torch.inference_mode():
+                bn.num_batches_tracked = bn.num_batches_tracked.clone()
+        outcomes.append(_outcome(lambda: m(_x(2, 4, 5, 5, requires_grad=False))))
+    assert isinstance(outcomes[1][0], type), outcomes[1]
+    assert outcomes[0] == outcomes[1]
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])

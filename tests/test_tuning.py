@@ -54,7 +54,7 @@ def test_plan_tunes_picks_caches_and_stays_correct(monkeypatch, tmp_path):
     plan = next(iter(block._plans.values()))[1]
     assert all(u.fcfg.BLOCK_M == 64 and u.dcfg.BLOCK_M == 64 for u in plan.units)  # the fake timer's choice
     entries = json.loads(cache.read_text())
-    assert len(entries) >= 3 and all(set(v) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
+    assert len(entries) >= 3 and all(set(v) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "unroll"}
                                      for v in entries.values())
     # pairs keyed with a separator: stride (1, 12) and (11, 2) must not share "s112"
     assert all("|s1x1|p1x1|d1x1|" in k for k in entries if "R3S3" in k), list(entries)

@@ -27,8 +27,9 @@ in ``fallback_reason``. Under ``torch.distributed`` every rank decides for itsel
 (as ``torch.backends.cudnn.benchmark`` does): ranks reach a new signature at different calls (a batch
 size of their own, an empty batch, a hook on one rank), where a collective would hang. The ranks'
 winners may differ; each is validated on its rank, and no backend communicates (synchronized
-statistics are computed before the chain, the same way for every backend). A forced backend is never
-measured. Measurement is on for CUDA devices; tests
+statistics are computed before the chain, the same way for every backend; an eager fallback of the
+module, e.g. a hook on one rank, uses torch's own exchange and must not meet a fused rank under
+``nn.SyncBatchNorm``). A forced backend is never measured. Measurement is on for CUDA devices; tests
 switch it on for the CPU with :func:`measuring` (and inject a timer).
 
 Environment:
@@ -170,6 +171,9 @@ class MeasureSettings:
 SETTINGS = MeasureSettings()
 #: Decisions of this process by run_chain signature (what torch.compile tracing may read).
 _BY_KEY: dict = {}
+#: The same decisions by device fingerprint and signature in words: plan keys finer than it (requires_grad, grad mode
+#: beside the timed mode) share one decision in a process.
+_BY_SIG: dict = {}
 
 
 @contextlib.contextmanager
@@ -190,6 +194,7 @@ def measuring(devices: Sequence[str] = ("cpu", "cuda"), timer: Optional[Timer] =
 def forget() -> None:
     """Drop this process's decisions (the disk cache stays; modules keep their plans)."""
     _BY_KEY.clear()
+    _BY_SIG.clear()
     _CACHES.clear()
 
 
@@ -356,7 +361,9 @@ def _choice(d: Decision, skipped: tuple = ()) -> BackendChoice:
 def _held(key, sig: str, x: torch.Tensor, eligible: set, disk: bool) -> Optional[Decision]:
     """A decision this process holds for ``key`` (or, with ``disk``, the disk cache for ``sig``) whose
     winner can still serve the input."""
-    d = _BY_KEY.get(key)
+    d = _BY_KEY.get(key) or _BY_SIG.get(f"{_fingerprint(x.device)}|{sig}")
+    if d is not None and d.source == "measured":
+        d = dataclasses.replace(d, source="process")
     if d is None and disk:
         hit = decision_cache(x.device).get(f"{_fingerprint(x.device)}|{sig}")
         if hit is not None:
@@ -443,14 +450,13 @@ def decide(static: BackendChoice, key, spec: ChainSpec, x: torch.Tensor, t: Chai
             "signature (run a step before capturing); static priority",)), None
     plan = None
     d = _held(key, sig, x, eligible, disk=True)
-    if d is not None and d.source == "measured":
-        d = dataclasses.replace(d, source="process")
     if d is None:
         d, plan, conclusive = _measure(static, spec, x, t, modes, cd, out_stats, memory, sig, timed, cands)
         if conclusive:
             decision_cache(x.device).put(f"{_fingerprint(x.device)}|{sig}", d.to_json())
     if d.source != "static":
         _BY_KEY[key] = d
+        _BY_SIG[f"{_fingerprint(x.device)}|{sig}"] = d
         logger.info("fused_preact: auto for %s: %s", sig, d.summary())
         return _choice(d), plan
     return BackendChoice(static.backend, static.skipped + (d.note,), d), None

@@ -50,12 +50,13 @@ def _signature(requested: str, spec: ChainSpec, x: torch.Tensor, t: ChainTensors
     without it)."""
     tr = torch.compiler.is_compiling()
     per_unit = tuple((_sig(t.weights[i]), _sig(t.biases[i]), _sig(t.gammas[i]), _sig(t.betas[i]),
-                      _buf_sig(t.running_means[i], tr), _buf_sig(t.running_vars[i], tr), _sig(t.num_batches[i]),
-                      t.eps[i]) for i in range(len(t.weights)))
+                      _buf_sig(t.running_means[i], tr), _buf_sig(t.running_vars[i], tr),
+                      _buf_sig(t.num_batches[i], tr), t.eps[i]) for i in range(len(t.weights)))
     extra = (_sig(t.proj_weight), _sig(t.residual), _sig(t.ext_mean), _sig(t.ext_invstd),
              None if t.in_stats is None else _sig(t.in_stats.part))
     return (requested, spec, modes, x.shape, x.stride(), x.dtype, x.device, cd, autocast_enabled(x.device.type),
-            out_stats, per_unit, extra, x.requires_grad, torch.is_grad_enabled())
+            out_stats, per_unit, extra, x.requires_grad, torch.is_grad_enabled(),
+            not tr and torch.is_inference_mode_enabled())
 
 
 def _check_like_eager(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BNMode, ...],
@@ -72,7 +73,9 @@ def _check_like_eager(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: 
             src = x.detach()[:1, :, :1, :1]
         else:
             src = torch.zeros(1, C, 1, 1, device=x.device, dtype=x.dtype if i == 0 else cd)
-        rm, rv = t.running_means[i], t.running_vars[i]
+        rm, rv, nb = t.running_means[i], t.running_vars[i], t.num_batches[i]
+        if mode.update and nb is not None and nb.is_inference() and not torch.is_inference_mode_enabled():
+            nb.add_(0)  # nn.BatchNorm2d's num_batches_tracked.add_(1): autograd's in-place error, no change
         training = mode.kind == BATCH
         # A materialized stand-in (an expanded one takes another CPU kernel, whose dtype check is an
         # internal assert instead of eager's message); no graph: nothing saved for backward (a
@@ -81,7 +84,9 @@ def _check_like_eager(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: 
             F.batch_norm(src.expand(2, C, 1, 1).contiguous(), rm.clone() if rm is not None else None,
                          rv.clone() if rv is not None else None, t.gammas[i], t.betas[i], training,
                          0.0 if t.momenta[i] is None else t.momenta[i], t.eps[i])
-        if torch.is_grad_enabled() and any(b is not None and (b.requires_grad or b.is_inference()) for b in (rm, rv)):
+        # (eager's batch_norm returns before reading the buffers for an empty input)
+        if (torch.is_grad_enabled() and 0 not in shapes[i]
+                and any(b is not None and (b.requires_grad or b.is_inference()) for b in (rm, rv))):
             upstream = [x] + [v for j in range(i) for v in (t.weights[j], t.biases[j], t.gammas[j], t.betas[j])]
             _check_buffers_under_autograd(src, t, i, training,
                                           needs_input_grad=any(v is not None and v.requires_grad for v in upstream))
@@ -98,7 +103,7 @@ def _check_buffers_under_autograd(src: torch.Tensor, t: ChainTensors, i: int, tr
             return None
         if v.is_inference():
             with torch.inference_mode():
-                return v.clone()
+                return v.clone().requires_grad_(requires_grad and v.is_floating_point())
         return v.detach().clone().requires_grad_(requires_grad and v.is_floating_point())
 
     rm, rv = t.running_means[i], t.running_vars[i]
