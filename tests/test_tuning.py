@@ -157,7 +157,8 @@ def test_wgrad_rows_follow_the_arch(monkeypatch):
 
 def test_fprop_unrolls_where_the_arch_allows(monkeypatch):
     """fprop's main loop runs unrolled twice only on sm_90, in 16-bit, stride 1, not on autocast's
-    fp32 activations, and not with 128×64×64 tiles (they spill unrolled); candidates alike."""
+    fp32 activations, and with 128×64×64 tiles only for a bf16 filter of several taps without a
+    projection epilogue (elsewhere they spill unrolled); candidates alike."""
     from fused_preact.ops.triton import configs
 
     monkeypatch.setattr(configs, "interpreting", lambda: False)
@@ -165,7 +166,10 @@ def test_fprop_unrolls_where_the_arch_allows(monkeypatch):
     # Kg = 256: 64×128×64 tiles; Kg = 16: 128×16×64 (narrow); Kg = 64: 128×64×64
     assert fprop_config(10**6, 256, 64, torch.bfloat16, True, arch=90).unroll == 2
     assert fprop_config(10**6, 16, 64, torch.float16, True, arch=90).unroll == 2
-    assert fprop_config(10**6, 64, 64, torch.bfloat16, True, arch=90).unroll == 1
+    assert fprop_config(10**6, 64, 64, torch.bfloat16, True, arch=90).unroll == 1  # a 1×1
+    assert fprop_config(10**6, 64, 64, torch.bfloat16, True, arch=90, taps=9).unroll == 2  # a 3×3, bf16 only
+    assert fprop_config(10**6, 64, 64, torch.float16, True, arch=90, taps=9).unroll == 1
+    assert fprop_config(10**6, 64, 64, torch.bfloat16, True, arch=90, taps=9, proj=True).unroll == 1
     for kw in (dict(arch=80), dict(arch=0), dict(arch=90, x32=True), dict(arch=90, strided=True)):
         assert fprop_config(10**6, 256, 64, torch.bfloat16, True, **kw).unroll == 1, kw
     assert fprop_config(10**6, 256, 64, torch.float32, True, arch=90).unroll == 1

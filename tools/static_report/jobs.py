@@ -279,7 +279,7 @@ def _unit_candidates(kind: str, plan, i: int, dtype, candidates) -> list:
     u = plan.units[i]
     Cg, Kg = u.in_shape[1] // u.geom.groups, u.out_shape[1] // u.geom.groups
     dims = {"fprop": (u.M_out, Kg, Cg), "dgrad": (u.M_in, Cg, Kg), "wgrad": (Kg, Cg, u.M_out)}[kind]
-    return candidates(kind, *dims, dtype, **(plan.tile_args(i, u.geom) if kind in ("fprop", "wgrad") else {}))
+    return candidates(kind, *dims, dtype, **(plan.tile_args(i, u.geom, kind) if kind in ("fprop", "wgrad") else {}))
 
 
 def _gpu_split(plan, sms: int) -> int:

@@ -105,7 +105,7 @@ class TritonPlan:
             over = {k: (v[i] if isinstance(v, (list, tuple)) else v) for k, v in (overrides or {}).items()}
             unit = UnitPlan(g, shapes[i], shapes[i + 1], in_strides, out_st, modes[i],
                             over.get("fprop") or fprop_config(N * P * Q, Kg, Cg, cdtype, stats_out,
-                                                              **self.tile_args(i, g)),
+                                                              **self.tile_args(i, g, "fprop")),
                             over.get("dgrad") or dgrad_config(N * H * W, Cg, Kg, cdtype),
                             over.get("wgrad") or wgrad_config(Kg, Cg, N * P * Q, cdtype, **self.tile_args(i, g)), 1,
                             stats_out)
@@ -118,11 +118,18 @@ class TritonPlan:
         big = max_offset(self.x_shape, nhwc_strides_of(self.x_strides))
         self.idx64 = max([big] + [max_offset(s, contig_nhwc(s)) + 1 for s in shapes[1:]]) >= INT32_MAX
 
-    def tile_args(self, i: int, g: ConvGeom) -> dict:
+    def tile_args(self, i: int, g: ConvGeom, kind: str = "wgrad") -> dict:
         """The tile rules' arguments (:func:`wgrad_config`, :func:`fprop_config`, ``candidates``) for
-        the conv ``g`` reading unit i's input: arch, x32 (fp32 activations under 16-bit compute), strided."""
+        the ``kind`` kernel of the conv ``g`` reading unit i's input: arch, x32 (fp32 activations under
+        16-bit compute), strided, and for fprop proj (the last unit's epilogue adds the projection) and
+        taps (R·S)."""
         x32 = i == 0 and self.x_dtype == torch.float32 and self.cdtype != torch.float32
-        return dict(arch=self.arch, x32=x32, strided=g.stride != (1, 1))
+        args = dict(arch=self.arch, x32=x32, strided=g.stride != (1, 1))
+        if kind == "fprop":
+            spec = self.spec
+            args["proj"] = i == len(spec.convs) - 1 and spec.proj is not None and spec.proj_out == "add"
+            args["taps"] = g.kernel[0] * g.kernel[1]
+        return args
 
     # ------------------------------------------------------------------------------------ layout
     def _plan_proj(self, split: Optional[int]) -> None:
@@ -383,7 +390,7 @@ def _tune_unit(plan: TritonPlan, u: UnitPlan, i: int) -> None:
         attr = {"fprop": "fcfg", "dgrad": "dcfg", "wgrad": "wcfg"}[kind]
         rows = u.M_in if kind == "dgrad" else u.M_out
         key = f"{kind}|{base}|M{triton.next_power_of_2(rows)}|stats{int(u.stats_out)}"
-        wide = plan.tile_args(i, g) if kind in ("fprop", "wgrad") else {}
+        wide = plan.tile_args(i, g, kind) if kind in ("fprop", "wgrad") else {}
         best = choose(cache, key, candidates(kind, m, n, k, plan.cdtype, **wide), getattr(u, attr),
                       lambda cfg, kind=kind: _time_config(plan, u, i, kind, cfg), dataclasses.asdict,
                       lambda d: GemmConfig(**d))
