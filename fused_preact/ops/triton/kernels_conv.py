@@ -316,6 +316,17 @@ def _preact_t(xt, sc, sh, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
+def _pair_rows(t, N: tl.constexpr, R: tl.constexpr):
+    """Rows of an (N × R) tile (R = 0: a vector of N) reordered in groups of 16: row g·16 + h·8 + q
+    takes row g·16 + 2q + h, so the two rows a thread holds in a wgmma A fragment (q and q + 8 of a
+    16-row slice) are adjacent channels (one 64-bit shared-memory load of an fp32 pair, not two)."""
+    if R == 0:
+        return tl.reshape(tl.permute(tl.reshape(t, [N // 16, 8, 2]), [0, 2, 1]), [N])
+    else:
+        return tl.reshape(tl.permute(tl.reshape(t, [N // 16, 8, 2, R]), [0, 2, 1, 3]), [N, R])
+
+
+@triton.jit
 def _wgrad_tile(
     dy_ptr, sdn, sdh, sdw, sdc, x_ptr, sxn, sxh, sxw, sxc, pack_ptr, dw_ptr, swk, swc, swr, sws,
     pid, M, CHUNK,
@@ -376,6 +387,11 @@ def _wgrad_tile(
     SCALED: tl.constexpr = X16 and x_ptr.dtype.element_ty == tl.float16
     if X16:
         nm16, s16, b16 = _vectors16_of(_load_row(pack_ptr + c_in, c_mask), sc, sh, x_ptr.dtype.element_ty)
+    PAIRS: tl.constexpr = not X16 and x_ptr.dtype.element_ty == tl.float32 and DOT_DTYPE != tl.float32 \
+        and BLOCK_N % 16 == 0
+    if PAIRS:
+        sc = _pair_rows(sc, BLOCK_N, 0)
+        sh = _pair_rows(sh, BLOCK_N, 0)
     dh = r * DIL_H - PAD_H
     dw_ = s * DIL_W - PAD_W
     PADDED: tl.constexpr = R * S > 1 or PAD_H > 0 or PAD_W > 0
@@ -455,6 +471,8 @@ def _wgrad_tile(
                     xt = tl.load(xp)
                 else:
                     xt = tl.load(xp, mask=c_mask[:, None], other=0.0)
+            if PAIRS:
+                xt = _pair_rows(xt, BLOCK_N, BLOCK_R)
             if X16:
                 at = _preact16_t(xt, nm16, s16, b16, PRO16 == 2).to(DOT_DTYPE)
             else:
@@ -476,6 +494,9 @@ def _wgrad_tile(
             acc1 *= up
             acc2 *= up
             acc3 *= up
+        if PAIRS:
+            offs_c = _pair_rows(offs_c, BLOCK_N, 0)
+            c_mask = _pair_rows(c_mask, BLOCK_N, 0)
         _dw_piece(dw_ptr, acc0, kb, 0, Kg, Cg, K, g, offs_c, c_mask, r, s, rs, split, swk, swc, swr, sws, R, S, SPLIT_K,
                   KP, BLOCK_M)
         if NKP > 1:
