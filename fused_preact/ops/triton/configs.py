@@ -54,13 +54,12 @@ def fprop_unroll(cfg: GemmConfig, dtype: torch.dtype, x32: bool, arch: int, stri
     wgmma pipeline: sm_90 (``arch`` ≥ 90; on sm_80 a 64×128×32 tile spills at its 168-register cap),
     16-bit compute, 16-bit activations (not autocast's fp32 ones, ``x32``), stride 1 (strided loops
     unrolled wait for every wgmma), and a register A tile of at most 64×64 or an output tile at most
-    32 channels wide (128×64×64 tiles: in bf16, for a filter of several ``taps``, without a projection
-    epilogue, ``proj``; fp16's scaled vectors, 1×1's loop or the projection's take them to 255
-    registers and spills). Unrolled,
-    consecutive iterations' register-sourced MMAs take different
-    registers, so the copies ptxas adds to keep an in-flight wgmma's operand go, and the loop's fixed
-    costs halve (static issue ratio on sm_90: 10–20% lower; PreActResNet-50's 3×3 64→64 in bf16
-    0.99 → 0.87), with one pipeline stage less."""
+    32 channels wide; 128×64×64 tiles only in bf16, for a filter of several ``taps``, without a
+    projection epilogue (``proj``): fp16's scaled vectors, a 1×1's loop or the projection's take them
+    to 255 registers and spills. Unrolled, consecutive iterations' register-sourced MMAs take
+    different registers, so the copies ptxas adds to keep an in-flight wgmma's operand go, and the
+    loop's fixed costs halve (static issue ratio on sm_90: 10–20% lower; PreActResNet-50's 3×3 64→64
+    in bf16 0.99 → 0.82), with one pipeline stage less."""
     if interpreting() or dtype == torch.float32 or x32 or arch < 90 or strided:
         return cfg
     wide_a = cfg.BLOCK_M * cfg.BLOCK_K > 64 * 64 and cfg.BLOCK_N > 32
