@@ -11,8 +11,8 @@ meta device (nothing is allocated) and its forward and backward are *recorded* i
 would run, so the report compiles what runs. Recorded per block and dtype:
 
     train and eval mode (BN finalize modes, dgrad's eval epilogue), channels_last input;
-    the heuristic default tiles and every autotune candidate (``candidates`` of the Triton backend,
-    clamped per unit, as the tuner clamps them), each applied to every conv of the block; each job's
+    the heuristic default tiles and every autotune candidate (``TritonPlan.unit_candidates``, the
+    tuner's own list per unit), each applied to every conv of the block; each job's
     ``role`` says which (``default``/``candidate``);
     the wgrad K-split a GPU of each arch would choose (132 SMs on sm_90, 108 on sm_80), besides 1;
     the output statistics epilogue on (a block followed by another) and off (the last block);
@@ -93,13 +93,12 @@ _CONV = {"fprop", "fprop_proj", "dgrad", "wgrad", "wgrad_proj"}
 
 
 def _triton_backend():
-    """(``TritonPlan``, ``candidates``, ``recording``) of the Triton backend, imported here alone (on
-    first use: the kernels must be decorated after the caller has checked TRITON_INTERPRET)."""
-    from fused_preact.ops.triton.configs import candidates
+    """(``TritonPlan``, ``recording``) of the Triton backend, imported here alone (on first use: the
+    kernels must be decorated after the caller has checked TRITON_INTERPRET)."""
     from fused_preact.ops.triton.launch import recording
     from fused_preact.ops.triton.plan import TritonPlan
 
-    return TritonPlan, candidates, recording
+    return TritonPlan, recording
 
 
 def _chain(b: BlockShape):
@@ -143,7 +142,7 @@ def _record(spec, modes, x_shape, dtype, out_stats: bool, overrides=None, split:
     tiles the plan chooses for compute capability ``arch``."""
     from fused_preact.ops.spec import GradNeeds
 
-    TritonPlan, _, recording = _triton_backend()
+    TritonPlan, recording = _triton_backend()
     x = torch.empty(x_shape, device="meta", dtype=x_dtype or dtype).contiguous(memory_format=torch.channels_last)
     plan = TritonPlan(spec, modes, x.shape, x.stride(), x.dtype, x.device, dtype, False, out_stats,
                       overrides=overrides, split=split, tune=False, arch=arch)
@@ -196,7 +195,6 @@ class _Run:
 def chain_jobs(units: Sequence[UnitShape], dtypes: Sequence[torch.dtype]) -> list[StaticJob]:
     """Every launch of the fused chains for the blocks that contain ``units`` (module docstring)."""
     from fused_preact.ops import BATCH, RUNNING, BNMode
-    _, candidates, _ = _triton_backend()
 
     wanted = {n for u in units for n in u.names}
     batch = units[0].N if units else 128
@@ -220,7 +218,7 @@ def chain_jobs(units: Sequence[UnitShape], dtypes: Sequence[torch.dtype]) -> lis
             for arch, sms in SM_COUNT.items():
                 plan, _ = _record(spec, modes, x_shape, dtype, True, arch=arch)
                 for kind in ("fprop", "dgrad", "wgrad"):
-                    per_unit = [_unit_candidates(kind, plan, i, dtype, candidates) for i in range(n)]
+                    per_unit = [plan.unit_candidates(u, i, kind) for i, u in enumerate(plan.units)]
                     for j in range(max(len(c) for c in per_unit)):
                         tuned.setdefault((kind, tuple(c[min(j, len(c) - 1)] for c in per_unit)), []).append(arch)
                 split = _gpu_split(plan, sms)
@@ -272,14 +270,6 @@ def _reads_fp32(rec) -> bool:
     or its gradient), which the report labels ``x32``."""
     names = [p.name for p in rec.fn.params]
     return any(n in _ACTIVATIONS and getattr(a, "dtype", None) == torch.float32 for n, a in zip(names, rec.args))
-
-
-def _unit_candidates(kind: str, plan, i: int, dtype, candidates) -> list:
-    """The autotune candidates of unit i's ``kind`` kernel, as the plan's tuner lists them."""
-    u = plan.units[i]
-    Cg, Kg = u.in_shape[1] // u.geom.groups, u.out_shape[1] // u.geom.groups
-    dims = {"fprop": (u.M_out, Kg, Cg), "dgrad": (u.M_in, Cg, Kg), "wgrad": (Kg, Cg, u.M_out)}[kind]
-    return candidates(kind, *dims, dtype, **(plan.tile_args(i, u.geom, kind) if kind in ("fprop", "wgrad") else {}))
 
 
 def _gpu_split(plan, sms: int) -> int:

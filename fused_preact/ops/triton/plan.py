@@ -131,6 +131,14 @@ class TritonPlan:
             args["taps"] = g.kernel[0] * g.kernel[1]
         return args
 
+    def unit_candidates(self, u: UnitPlan, i: int, kind: str) -> list[GemmConfig]:
+        """The autotune candidates of the ``kind`` kernel (fprop, dgrad, wgrad) of u, unit i: the ones
+        the tuner times and the static report compiles."""
+        g = u.geom
+        Cg, Kg = u.in_shape[1] // g.groups, u.out_shape[1] // g.groups
+        m, n, k = {"fprop": (u.M_out, Kg, Cg), "dgrad": (u.M_in, Cg, Kg), "wgrad": (Kg, Cg, u.M_out)}[kind]
+        return candidates(kind, m, n, k, self.cdtype, **(self.tile_args(i, g, kind) if kind != "dgrad" else {}))
+
     # ------------------------------------------------------------------------------------ layout
     def _plan_proj(self, split: Optional[int]) -> None:
         spec = self.spec
@@ -385,13 +393,11 @@ def _tune_unit(plan: TritonPlan, u: UnitPlan, i: int) -> None:
             f"p{g.padding[0]}x{g.padding[1]}|d{g.dilation[0]}x{g.dilation[1]}|g{g.groups}|C{C}|K{K}|"
             f"cl{int(plan.channels_last)}")
     cache = cache_for(torch.cuda.get_device_name(plan.device) if plan.device.type == "cuda" else plan.device.type)
-    Cg, Kg = C // g.groups, K // g.groups
-    for kind, m, n, k in (("fprop", u.M_out, Kg, Cg), ("dgrad", u.M_in, Cg, Kg), ("wgrad", Kg, Cg, u.M_out)):
+    for kind in ("fprop", "dgrad", "wgrad"):
         attr = {"fprop": "fcfg", "dgrad": "dcfg", "wgrad": "wcfg"}[kind]
         rows = u.M_in if kind == "dgrad" else u.M_out
         key = f"{kind}|{base}|M{triton.next_power_of_2(rows)}|stats{int(u.stats_out)}"
-        wide = plan.tile_args(i, g, kind) if kind in ("fprop", "wgrad") else {}
-        best = choose(cache, key, candidates(kind, m, n, k, plan.cdtype, **wide), getattr(u, attr),
+        best = choose(cache, key, plan.unit_candidates(u, i, kind), getattr(u, attr),
                       lambda cfg, kind=kind: _time_config(plan, u, i, kind, cfg), dataclasses.asdict,
                       lambda d: GemmConfig(**d))
         setattr(u, attr, best)
