@@ -114,6 +114,94 @@ def test_fp16_autocast_scales_an_fp32_input_beyond_fp16_range(kind, beyond):
     _check_backward(y, y64, xf, x64, fused, eager64, torch.float16, 1.0 if beyond == "first" else 1e-3)
 
 
+@pytest.mark.parametrize("dtype", AUTOCAST_DTYPES, ids=str)
+def test_autocast_kernels_read_weights_in_the_autocast_dtype(dtype):
+    """Mixed-precision training (fp32 parameters, fp32 input, autocast): every Triton conv launch,
+    forward and backward, projection included, reads its weight in the autocast dtype and channels_last
+    (cast once per call, as ``F.conv2d`` under autocast casts it), not fp32 tiles that every program
+    converts; the cast of the block's (K, C, R, S)-contiguous 3×3 filter is channels_last."""
+    import inspect
+
+    from fused_preact.ops.triton import launch
+
+    fused = FusedPreActBottleneck(8, 4, stride=2, backend="triton").to(DEVICE)
+    assert not fused.conv2.weight.is_contiguous(memory_format=torch.channels_last)
+    x = torch.randn(2, 8, 6, 6, device=DEVICE).requires_grad_()
+    with launch.recording() as recs:  # the launches are recorded, not run
+        with torch.autocast(DEVICE, dtype=dtype):
+            y = fused(x)
+        y.float().sum().backward()
+    seen = []
+    for r in recs:
+        names = inspect.signature(getattr(r.fn, "fn", r.fn)).parameters
+        for name, a in zip(names, r.args):
+            if name in ("w_ptr", "w2_ptr") and a is not None:
+                seen.append((r.name, name))
+                assert a.dtype == dtype and a.is_contiguous(memory_format=torch.channels_last), (r.name, name)
+    assert {("fprop", "w_ptr"), ("fprop", "w2_ptr"), ("dgrad", "w_ptr"), ("dgrad", "w2_ptr")} <= set(seen)
+
+
+def _autocast_against_float64(fused, eager64, x, dtype):
+    """Run the fused module on the fp32 ``x`` under autocast (the Triton backend) and its float64 twin
+    on x in float64; output and every gradient within ``dtype``'s tolerance (:func:`_check_backward`)."""
+    xf = x.to(DEVICE, copy=True).requires_grad_()
+    x64 = x.double().requires_grad_()
+    with torch.autocast(DEVICE, dtype=dtype):
+        y = fused(xf)
+    assert fused.last_backend == "triton" and y.dtype == dtype
+    _check_backward(y, eager64(x64), xf, x64, fused, eager64, dtype)
+
+
+@pytest.mark.parametrize("dtype", AUTOCAST_DTYPES, ids=str)
+@pytest.mark.parametrize("k, groups", [(3, 1), (1, 2)], ids=["3x3", "1x1-g2"])
+def test_autocast_first_conv_takes_channels_in_quads(k, groups, dtype):
+    """An fp32 input under autocast with 16·j channels per group: fprop reorders the channels of its fp32
+    tile in quads (``configs.quad_channels``) and the plan hands it the filter in the same order; the
+    output and every gradient stay within the 16-bit tolerance of float64 (two 16-channel groups per
+    chunk: a wrong order in either place moves whole products to other channels)."""
+    torch.manual_seed(1)
+    fused = FusedBNReLUConv2d(64, 16, k, padding=k // 2, groups=groups, backend="triton")
+    _randomize_bn(fused, seed=5)
+    eager64 = nn.Sequential(copy.deepcopy(fused.bn), nn.ReLU(), copy.deepcopy(fused.conv)).double()
+    _autocast_against_float64(fused.to(DEVICE), eager64, torch.randn(2, 64, 5, 6) * 2 + 0.5, dtype)
+
+
+@pytest.mark.parametrize("dtype", AUTOCAST_DTYPES, ids=str)
+def test_autocast_quads_beside_a_projection_of_the_same_batchnorm(dtype):
+    """A one-conv chain whose projection shortcut (added to the output) reads the same BatchNorm: the
+    fprop launch's two packs are one buffer, so the main loop's quad-ordered (interleaved) vectors and
+    the projection's fp16-scaled ones share its scratch rows; every gradient and the output within the
+    16-bit tolerance of float64 (found by review: fp16 wrote the two layouts over each other)."""
+    import torch.nn.functional as F
+
+    from fused_preact.modules import FusedModuleBase, run_units
+
+    class OneConv(FusedModuleBase):
+        def __init__(self):
+            super().__init__("triton")
+            self.bn = nn.BatchNorm2d(32)
+            self.conv = nn.Conv2d(32, 16, 3, 2, 1, bias=False)
+            self.shortcut = nn.Conv2d(32, 16, 1, 2, bias=False)
+
+        def forward(self, x):
+            return run_units(self, x, [(self.bn, self.conv)], proj=self.shortcut).out
+
+    class Eager(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.bn, self.conv, self.shortcut = m.bn, m.conv, m.shortcut
+
+        def forward(self, x):
+            a = F.relu(self.bn(x))
+            return self.conv(a) + self.shortcut(a)
+
+    torch.manual_seed(0)
+    fused = OneConv()
+    _randomize_bn(fused, seed=2)
+    eager64 = Eager(copy.deepcopy(fused)).double()
+    _autocast_against_float64(fused.to(DEVICE), eager64, torch.randn(2, 32, 6, 6) * 2 + 0.5, dtype)
+
+
 def test_autocast_leaves_float64_alone():
     m = FusedBNReLUConv2d(3, 4, 3, padding=1).double().to(DEVICE)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):

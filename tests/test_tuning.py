@@ -54,7 +54,8 @@ def test_plan_tunes_picks_caches_and_stays_correct(monkeypatch, tmp_path):
     plan = next(iter(block._plans.values()))[1]
     assert all(u.fcfg.BLOCK_M == 64 and u.dcfg.BLOCK_M == 64 for u in plan.units)  # the fake timer's choice
     entries = json.loads(cache.read_text())
-    assert len(entries) >= 3 and all(set(v) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "unroll"}
+    assert len(entries) >= 3 and all(set(v) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "unroll",
+                                                                   "slots"}
                                      for v in entries.values())
     # pairs keyed with a separator: stride (1, 12) and (11, 2) must not share "s112"
     assert all("|s1x1|p1x1|d1x1|" in k for k in entries if "R3S3" in k), list(entries)
@@ -176,6 +177,38 @@ def test_fprop_unrolls_where_the_arch_allows(monkeypatch):
     unrolled = {c.label() for c in candidates("fprop", 10**6, 256, 64, torch.bfloat16, arch=90) if c.unroll == 2}
     assert unrolled and all("128x64x64" not in lab for lab in unrolled)
     assert all(c.unroll == 1 for c in candidates("fprop", 10**6, 256, 64, torch.bfloat16, arch=80))
+
+
+def test_dgrad_takes_a_filter_row_per_step_for_narrow_outputs(monkeypatch):
+    """dgrad's taps per reduction step (``dgrad_slots``): a filter row, padded to a power of two ≤ 4,
+    for ≤ 32 output channels per group in 16-bit (stride 1, or phases: ⌈S/stride⌉ taps), one tap
+    elsewhere; the tiles then span slots × p2(Kg) channels; tiles of ≤ 32 input channels take more rows
+    (``_narrow_rows``), in the default and in every candidate."""
+    import torch.nn as nn
+
+    from fused_preact.ops.spec import ConvGeom
+    from fused_preact.ops.triton import configs
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+
+    def slots(k, stride=1, dilation=1, Kg=16, dtype=torch.bfloat16):
+        conv = nn.Conv2d(16, Kg, k, stride=stride, padding=dilation * (k // 2), dilation=dilation)
+        return configs.dgrad_slots(ConvGeom.of(conv), Kg, dtype)
+
+    assert [slots(3), slots(3, Kg=32), slots(3, stride=2), slots(3, dilation=2)] == [4, 4, 2, 4]
+    assert [slots(1), slots(3, Kg=64), slots(5), slots(3, stride=2, dilation=2), slots(3, dtype=torch.float32)] == [1] * 5
+    def tile(Cg, Kg, slots, arch, M=10**6, dtype=torch.bfloat16):
+        cfg = configs.dgrad_config(M, Cg, Kg, dtype, slots, arch)
+        return cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.slots
+
+    assert tile(16, 16, 4, 90) == (256, 16, 64, 4)
+    assert tile(16, 16, 4, 80) == (128, 16, 64, 4)  # 256 rows spill on sm_80
+    assert tile(32, 32, 4, 90) == (128, 32, 128, 4)  # 256 × 32 with 128-deep steps spills
+    assert tile(32, 64, 1, 90) == (256, 32, 64, 1)  # a narrow 1×1: more rows, one tap per step
+    assert tile(16, 16, 4, 90, M=8 * 256 - 1) == (128, 16, 64, 4)
+    assert tile(64, 16, 4, 90)[0] == 64 and tile(32, 32, 1, 90, dtype=torch.float32)[0] == 64
+    cands = candidates("dgrad", 10**6, 32, 32, torch.bfloat16, arch=90, slots=2)
+    assert cands and all(c.slots == 2 and c.BLOCK_K == 64 and c.BLOCK_M == 256 for c in cands)
 
 
 def test_tuning_can_be_disabled(monkeypatch):

@@ -160,7 +160,8 @@ def _label(rec) -> str:
     k = rec.kwargs
     if "BLOCK_N" in k and "BLOCK_K" in k:
         return (f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{k.get('num_warps', 4)} s{k.get('num_stages', 3)}"
-                + (f" u{k['UNROLL']}" if k.get("UNROLL", 1) != 1 else ""))
+                + (f" u{k['UNROLL']}" if k.get("UNROLL", 1) != 1 else "")
+                + (f" t{k['SLOTS']}" if k.get("SLOTS", 1) != 1 else ""))
     if "BLOCK_R" in k:
         return (f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_R']} w{k.get('num_warps', 4)} s{k.get('num_stages', 3)}"
                 + (" splitK" if k.get("SPLIT_K") else ""))

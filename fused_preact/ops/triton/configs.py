@@ -15,9 +15,9 @@ import torch
 from fused_preact.ops._common import interpreting, triton
 from fused_preact.ops.spec import BNMode, ConvGeom
 
-__all__ = ["GemmConfig", "UnitPlan", "fprop_config", "fprop_unroll", "dgrad_config", "wgrad_config", "candidates", "wgrad_split",
-           "arch_of", "p2", "contig_nhwc", "out_strides", "nhwc_strides_of", "is_channels_last", "max_offset",
-           "INTERP_SUM_ROWS", "FOLD_BLOCK", "INT32_MAX"]
+__all__ = ["GemmConfig", "UnitPlan", "fprop_config", "fprop_unroll", "quad_channels", "dgrad_slots", "dgrad_config",
+           "wgrad_config", "candidates", "wgrad_split", "arch_of", "p2", "contig_nhwc", "out_strides", "nhwc_strides_of",
+           "is_channels_last", "max_offset", "INTERP_SUM_ROWS", "FOLD_BLOCK", "INT32_MAX"]
 
 INT32_MAX = 2**31 - 1
 #: Rows per statistics tile under the interpreter: its sums are sequential in fp32, so tiles stay short.
@@ -34,7 +34,8 @@ def p2(n: int, lo: int, hi: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
     """Tile shape and launch options of one implicit-GEMM kernel (blocks are powers of two ≥ 16;
-    ``unroll``: fprop's main loop unrolled by that factor, see :func:`fprop_unroll`)."""
+    ``unroll``: fprop's main loop unrolled by that factor, see :func:`fprop_unroll`; ``slots``: dgrad's
+    taps per reduction step, see :func:`dgrad_slots`)."""
 
     BLOCK_M: int
     BLOCK_N: int
@@ -42,10 +43,12 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     unroll: int = 1
+    slots: int = 1
 
     def label(self) -> str:
         u = f"_u{self.unroll}" if self.unroll != 1 else ""
-        return f"{self.BLOCK_M}x{self.BLOCK_N}x{self.BLOCK_K}_w{self.num_warps}_s{self.num_stages}{u}"
+        t = f"_t{self.slots}" if self.slots != 1 else ""
+        return f"{self.BLOCK_M}x{self.BLOCK_N}x{self.BLOCK_K}_w{self.num_warps}_s{self.num_stages}{u}{t}"
 
 
 def fprop_unroll(cfg: GemmConfig, dtype: torch.dtype, x32: bool, arch: int, strided: bool,
@@ -71,6 +74,16 @@ def fprop_unroll(cfg: GemmConfig, dtype: torch.dtype, x32: bool, arch: int, stri
     return cfg
 
 
+def quad_channels(x_dtype: torch.dtype, cdtype: torch.dtype, Cg: int) -> bool:
+    """Whether fprop takes its input channels in quads (``kernels_fprop._quad_cols``; the plan hands it
+    the filter's channels in the same order, ``plan.mma_weight``): fp32 activations under 16-bit
+    compute (autocast's first conv, whose fp32 tile otherwise takes two 64-bit shared-memory loads per
+    four elements, and its scale and shift two more; static, sm_90: PreActResNet-50's 1×1 256→64
+    1.07 → 0.99) and ``Cg`` (channels per group) a multiple of 16 above 16 (a 16-channel tile's loop
+    grows with it)."""
+    return x_dtype == torch.float32 and cdtype != torch.float32 and Cg % 16 == 0 and Cg > 16
+
+
 def fprop_config(M: int, Kg: int, Cg: int, dtype: torch.dtype, stats: bool, arch: int = 0, x32: bool = False,
                  strided: bool = False, proj: bool = False, taps: int = 1) -> GemmConfig:
     """Default fprop tiles for an (M × Cg·R·S)·(… × Kg) implicit GEMM (M = N·P·Q output pixels).
@@ -90,16 +103,50 @@ def fprop_config(M: int, Kg: int, Cg: int, dtype: torch.dtype, stats: bool, arch
                         strided, proj, taps)
 
 
-def dgrad_config(M: int, Cg: int, Kg: int, dtype: torch.dtype) -> GemmConfig:
+def dgrad_slots(g: ConvGeom, Kg: int, dtype: torch.dtype) -> int:
+    """Taps per dgrad reduction step (the kernel's SLOTS): with at most 32 output channels per group
+    (``Kg``) in 16-bit, a step covers a whole filter row — the row's taps side by side, padded to a
+    power of two ≤ 4 — where the kernel walks taps by their padding bits (stride 1 or phases, more than
+    one and at most 32 taps); else 1 (one tap per step). A 16-channel step of one tap is one 8-clock
+    MMA on sm_90, under the loop's fixed cost (static issue ratio 8.9 for PreActResNet-164's 3×3
+    16→16); a row of 3 taps pads to 4, so a quarter of those MMAs multiply zeros. Under the interpreter
+    fp32 too (CI runs the path in every dtype)."""
+    R, S = g.kernel
+    phased = max(g.stride) > 1 and g.dilation == (1, 1)
+    if (dtype == torch.float32 and not interpreting()) or Kg > 32 or not 1 < R * S <= 32:
+        return 1
+    if not (phased or g.stride == (1, 1)):
+        return 1
+    slots = p2(-(-S // g.stride[1]) if phased else S, 1, 8)
+    return slots if slots <= 4 else 1
+
+
+def dgrad_config(M: int, Cg: int, Kg: int, dtype: torch.dtype, slots: int = 1, arch: int = 0) -> GemmConfig:
     """Default dgrad tiles (M = N·H·W input pixels, N = Cg, reduction over taps × Kg). 64-row tiles:
     the epilogue holds the accumulator, x, the mask and x̂ at once, and 128-row tiles sit at the
     255-register limit (they spill on sm_80 in bf16 and on sm_90 in fp32); 128 channels wide only with
-    64-deep reduction steps (64×128×32 spills one value on sm_90 with the residual epilogue)."""
+    64-deep reduction steps (64×128×32 spills one value on sm_90 with the residual epilogue); output
+    tiles of ≤ 32 channels take more rows (:func:`_narrow_rows`, by ``arch``). ``slots``
+    (:func:`dgrad_slots`) > 1: a step of ``slots`` taps of ``p2(Kg)`` channels each."""
     if interpreting():
-        return GemmConfig(p2(M, 16, INTERP_SUM_ROWS), p2(Cg, 16, 256), p2(Kg, 16, 256))
+        return GemmConfig(p2(M, 16, INTERP_SUM_ROWS), p2(Cg, 16, 256), slots * p2(Kg, 16, 256), slots=slots)
     fp32 = dtype == torch.float32
-    block_k = p2(Kg, 16, 32 if fp32 else 64)
-    return GemmConfig(64, p2(Cg, 16, 64 if fp32 or block_k < 64 else 128), block_k, 4, 3)
+    block_k = slots * p2(Kg, 16, 32) if slots > 1 else p2(Kg, 16, 32 if fp32 else 64)
+    block_n = p2(Cg, 16, 64 if fp32 or block_k < 64 else 128)
+    return GemmConfig(64 if fp32 else _narrow_rows(M, block_n, block_k, arch), block_n, block_k, 4, 3, slots=slots)
+
+
+def _narrow_rows(M: int, block_n: int, block_k: int, arch: int, rows: int = 64) -> int:
+    """dgrad's rows per tile where the output tile is at most 32 channels wide (16-bit): on sm_90
+    (``arch`` ≥ 90) 256 rows (128 for 32 channels with 128-deep steps, which spill at 256), elsewhere
+    128 (256 spill on sm_80), as many as M has 8 tiles of — the accumulator is small, and the loop's fixed
+    cost then spreads over more MMAs (static, sm_90: PreActResNet-164's 3×3 32→32 dgrad 1.30 → 0.99,
+    1×1 64→32 1.47 → 0.86, 16→16 3.16 → 1.94); else ``rows``."""
+    if block_n <= 32:
+        for wide in (256, 128):
+            if M >= 8 * wide and (wide == 128 or (arch >= 90 and (block_n == 16 or block_k <= 64))):
+                return wide
+    return rows
 
 
 def _wide_wgrad_rows(arch: int, dtype: torch.dtype, x32: bool, strided: bool) -> bool:
@@ -146,12 +193,13 @@ _WGRAD_WIDE = ((64, 64, 256, 4, 2),)
 
 
 def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int = 0, x32: bool = False,
-               strided: bool = False, proj: bool = False, taps: int = 1) -> list[GemmConfig]:
+               strided: bool = False, proj: bool = False, taps: int = 1, slots: int = 1) -> list[GemmConfig]:
     """The pruned tile space of a conv kernel for an (m × k)·(k × n) GEMM (``kind``: fprop, dgrad
     or wgrad; for wgrad m is the output channels, n the input channels, k the rows): blocks clamped to
     the problem (powers of two ≥ 16), duplicates removed. ``arch``, ``x32``, ``strided``: as
     :func:`wgrad_config` (wgrad's 256-row tiles, fprop's :func:`fprop_unroll`; ``proj``: fprop with the
-    projection shortcut in its epilogue; ``taps``: the filter's R·S)."""
+    projection shortcut in its epilogue; ``taps``: the filter's R·S; ``slots``: dgrad's taps per step,
+    :func:`dgrad_slots`)."""
     half = 2 if dtype == torch.float32 else 1
     space = {"fprop": _FPROP_SPACE, "dgrad": _DGRAD_SPACE, "wgrad": _WGRAD_SPACE}[kind]
     if kind == "wgrad" and m <= 64 and _wide_wgrad_rows(arch, dtype, x32, strided):
@@ -167,9 +215,13 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int 
         # A tile clamped below 128×64 has too few operand elements for 8 warps (16-bit scalar loads,
         # e.g. a 16×16 weight tile over 256 threads), so it runs with 4.
         bk = min(bk // half, p2(k, 16, bk // half))
+        if kind == "dgrad" and slots > 1:
+            bk = slots * p2(k, 16, 32)
+        if kind == "dgrad" and half == 1:
+            bm = _narrow_rows(m, bn, bk, arch, bm)
         if kind == "dgrad" and bk < 64:  # see dgrad_config
             bn = min(bn, 64)
-        cfg = GemmConfig(bm, bn, bk, 4 if bm * bn < 128 * 64 else warps, stages)
+        cfg = GemmConfig(bm, bn, bk, 4 if bm * bn < 128 * 64 else warps, stages, slots=slots if kind == "dgrad" else 1)
         if kind == "fprop":
             cfg = fprop_unroll(cfg, dtype, x32, arch, strided, proj, taps)
         if cfg not in out:

@@ -98,6 +98,7 @@ def _dgrad_kernel(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K2: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, ASM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
+    SLOTS: tl.constexpr,
 ):
     """``da[m, c] = Σ_{r,s,k} dy[pix⁻¹(m,r,s), k] · w[k, c, r, s]``; epilogue: the ReLU mask recomputed
     from x, ``dz = da·[x·scale + shift > 0]`` (threshold_backward: a NaN activation passes), and the
@@ -110,6 +111,12 @@ def _dgrad_kernel(
     read the same pre-activation. Grid: (cdiv(M, BLOCK_M), cdiv(C/GROUPS, BLOCK_N), GROUPS), or with a
     stride > 1 and no dilation (phases, see below) (cdiv(N·⌈H/STRIDE_H⌉·⌈W/STRIDE_W⌉, BLOCK_M), …,
     GROUPS·STRIDE_H·STRIDE_W); the sums then go to row ``phase·grid[0] + pid_m``.
+
+    SLOTS > 1 (few output channels, ``K/GROUPS ≤ BLOCK_K / SLOTS``, stride 1 or phases, at most 32 taps):
+    a reduction step covers one filter row, SLOTS taps side by side (column j of the dy tile: tap
+    ``s = j // (BLOCK_K / SLOTS)`` of the row, output channel ``j % (BLOCK_K / SLOTS)``; slots past the
+    row's taps masked), so the loop runs once per filter row instead of once per tap: a 16-channel
+    step alone is one 8-clock MMA, under the loop's fixed cost.
     """
     Cg = C // GROUPS
     Kg = K // GROUPS
@@ -195,69 +202,101 @@ def _dgrad_kernel(
                 taps |= (okw & (((hbits >> rb) & 1) != 0)).to(tl.int32) << (rb * S + sb)
         taps = tl.where(m_mask, taps, 0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    kk = 0
-    ss = 0
-    rr = 0
-    for t in range(NR * NS * NUM_KK):
-        if R * S == 1:
-            k0 = t * BLOCK_K
-            r = r0
-            s = s0
+    if SLOTS > 1:
+        # One filter row per step (see the docstring): the slots' columns, offsets and tap bits are
+        # loop-invariant; a step adds the row's scalar offsets and shifts the rows' tap words.
+        KC: tl.constexpr = BLOCK_K // SLOTS
+        slot = arange_k // KC
+        ch = arange_k % KC
+        s_col = s0 + slot * step_w
+        if PHASED:
+            ow_col = (pw0 + PAD_W - s_col) // STRIDE_W
         else:
-            k0 = kk * BLOCK_K
-            r = r0 + rr * step_h
-            s = s0 + ss * step_w
-            kk += 1
-            wrap = kk == NUM_KK
-            kk = tl.where(wrap, 0, kk)
-            ss = tl.where(wrap, ss + 1, ss)
-            wrap2 = ss == NS
-            ss = tl.where(wrap2, 0, ss)
-            rr = tl.where(wrap2, rr + 1, rr)
-        if DIRECT:
+            ow_col = PAD_W - s_col * DIL_W
+        if EVEN_K:
+            col_ok = slot < NS
+        else:
+            col_ok = (slot < NS) & (ch < Kg)
+        dy_cols = ((g * Kg + ch) * sdc + ow_col * sdw)[None, :]
+        w_cols = ((g * Kg + ch) * swk + s_col * sws)[:, None] + (offs_n * swc)[None, :]
+        w_ok = col_ok[:, None] & n_mask[None, :]
+        # a column's bit of the rows' tap words in filter row 0 (0 for a masked column): a step shifts
+        # it by the row (one shift per column, not per row) and each row tests it with one AND
+        col_bit = tl.where(col_ok, 1 << s_col, 0)
+        for it in range(NR * NUM_KK):  # NUM_KK is 1 here (a runtime 1: the loop stays a loop)
+            r = r0 + it * step_h
             if PHASED:
                 oh = (ph0 + PAD_H - r) // STRIDE_H
-                ow = (pw0 + PAD_W - s) // STRIDE_W
             else:
                 oh = PAD_H - r * DIL_H
-                ow = PAD_W - s * DIL_W
-            if TAPBITS:
-                valid = (taps & (1 << (r * S + s))) != 0
+            valid = (taps[:, None] & (col_bit << (r * S))[None, :]) != 0
+            dyt = tl.load(dy_ptr + (dy_row + oh * sdh)[:, None] + dy_cols, mask=valid, other=0.0)
+            wt = tl.load(w_ptr + (w_cols + r * swr), mask=w_ok, other=0.0)
+            acc = tl.dot(dyt.to(DOT_DTYPE), wt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
+    else:
+        kk = 0
+        ss = 0
+        rr = 0
+        for t in range(NR * NS * NUM_KK):
+            if R * S == 1:
+                k0 = t * BLOCK_K
+                r = r0
+                s = s0
             else:
-                valid = m_mask & ((hq + oh).to(tl.uint32, bitcast=True) < P) & \
-                    ((wq + ow).to(tl.uint32, bitcast=True) < Q)
-            dy_off = dy_row + (oh * sdh + ow * sdw + k0 * sdc)
-        else:
-            ph = hi + PAD_H - r * DIL_H
-            pw = wi + PAD_W - s * DIL_W
-            if STRIDE_H == 1:
-                p = ph
-                ok_h = (ph >= 0) & (ph < P)
+                k0 = kk * BLOCK_K
+                r = r0 + rr * step_h
+                s = s0 + ss * step_w
+                kk += 1
+                wrap = kk == NUM_KK
+                kk = tl.where(wrap, 0, kk)
+                ss = tl.where(wrap, ss + 1, ss)
+                wrap2 = ss == NS
+                ss = tl.where(wrap2, 0, ss)
+                rr = tl.where(wrap2, rr + 1, rr)
+            if DIRECT:
+                if PHASED:
+                    oh = (ph0 + PAD_H - r) // STRIDE_H
+                    ow = (pw0 + PAD_W - s) // STRIDE_W
+                else:
+                    oh = PAD_H - r * DIL_H
+                    ow = PAD_W - s * DIL_W
+                if TAPBITS:
+                    valid = (taps & (1 << (r * S + s))) != 0
+                else:
+                    valid = m_mask & ((hq + oh).to(tl.uint32, bitcast=True) < P) & \
+                        ((wq + ow).to(tl.uint32, bitcast=True) < Q)
+                dy_off = dy_row + (oh * sdh + ow * sdw + k0 * sdc)
             else:
-                phc = tl.where(ph >= 0, ph, 0)
-                p = phc // STRIDE_H
-                ok_h = (ph >= 0) & (p * STRIDE_H == phc) & (p < P)
-            if STRIDE_W == 1:
-                qq = pw
-                ok_w = (pw >= 0) & (pw < Q)
+                ph = hi + PAD_H - r * DIL_H
+                pw = wi + PAD_W - s * DIL_W
+                if STRIDE_H == 1:
+                    p = ph
+                    ok_h = (ph >= 0) & (ph < P)
+                else:
+                    phc = tl.where(ph >= 0, ph, 0)
+                    p = phc // STRIDE_H
+                    ok_h = (ph >= 0) & (p * STRIDE_H == phc) & (p < P)
+                if STRIDE_W == 1:
+                    qq = pw
+                    ok_w = (pw >= 0) & (pw < Q)
+                else:
+                    pwc = tl.where(pw >= 0, pw, 0)
+                    qq = pwc // STRIDE_W
+                    ok_w = (pw >= 0) & (qq * STRIDE_W == pwc) & (qq < Q)
+                valid = m_mask & ok_h & ok_w
+                dy_off = dbase + p * sdh + qq * sdw + k0 * sdc
+            if EVEN_K:
+                dyt = tl.load(dy_ptr + dy_off[:, None] + dy_k, mask=valid[:, None], other=0.0)
+                if EVEN_N:
+                    wt = tl.load(w_ptr + (w_inv + (k0 * swk + r * swr + s * sws)))
+                else:
+                    wt = tl.load(w_ptr + (w_inv + (k0 * swk + r * swr + s * sws)), mask=w_mask_n, other=0.0)
             else:
-                pwc = tl.where(pw >= 0, pw, 0)
-                qq = pwc // STRIDE_W
-                ok_w = (pw >= 0) & (qq * STRIDE_W == pwc) & (qq < Q)
-            valid = m_mask & ok_h & ok_w
-            dy_off = dbase + p * sdh + qq * sdw + k0 * sdc
-        if EVEN_K:
-            dyt = tl.load(dy_ptr + dy_off[:, None] + dy_k, mask=valid[:, None], other=0.0)
-            if EVEN_N:
-                wt = tl.load(w_ptr + (w_inv + (k0 * swk + r * swr + s * sws)))
-            else:
-                wt = tl.load(w_ptr + (w_inv + (k0 * swk + r * swr + s * sws)), mask=w_mask_n, other=0.0)
-        else:
-            k_ok = (k0 + arange_k) < Kg
-            dyt = tl.load(dy_ptr + dy_off[:, None] + dy_k, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            wt = tl.load(w_ptr + (w_inv + (k0 * swk + r * swr + s * sws)), mask=k_ok[:, None] & n_mask[None, :],
-                         other=0.0)
-        acc = tl.dot(dyt.to(DOT_DTYPE), wt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
+                k_ok = (k0 + arange_k) < Kg
+                dyt = tl.load(dy_ptr + dy_off[:, None] + dy_k, mask=valid[:, None] & k_ok[None, :], other=0.0)
+                wt = tl.load(w_ptr + (w_inv + (k0 * swk + r * swr + s * sws)), mask=k_ok[:, None] & n_mask[None, :],
+                             other=0.0)
+            acc = tl.dot(dyt.to(DOT_DTYPE), wt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
     if HAS_PROJ:
         # 1×1, stride STRIDE2, no padding, groups == 1: only pixels on the stride grid receive gradient.
         on_grid = m_mask & (hi % STRIDE2 == 0) & (wi % STRIDE2 == 0)

@@ -96,31 +96,55 @@ def _write_pack16(pack_ptr, c_lo, n_ch, C, down, DT: tl.constexpr, BLOCK: tl.con
 
 
 @triton.jit
-def _write_scaled32(pack_ptr, c_lo, n_ch, C, down, BLOCK: tl.constexpr):
-    """Write scale·2^−e and shift·2^−e (fp32; exact above fp32's subnormals) of channels
-    ``[c_lo, c_lo + n_ch)`` into the pack's scratch rows 5 and 6: the fp32 transform's vectors when the
-    operands are fp16 (an fp32 input under autocast), scaled once per program instead of once per loop
-    iteration (which also took the registers of 128×64 tiles past the limit). Every program writes the
-    same values; a CTA barrier follows."""
+def _write_scaled32(pack_ptr, c_lo, n_ch, C, down, BLOCK: tl.constexpr, PAIRED: tl.constexpr):
+    """Write scale·2^−e and shift·2^−e (fp32; exact above fp32's subnormals; ``down`` = 2^−e, 1 for
+    bf16) of channels ``[c_lo, c_lo + n_ch)`` into the pack's scratch rows 5 and 6 — with PAIRED
+    interleaved (word 2c: scale, 2c + 1: shift), loaded by the loop as one (channels × 2) tile: the fp32
+    transform's vectors when the operands are 16-bit (an fp32 input under autocast), scaled once per
+    program instead of once per loop iteration (which also took the registers of 128×64 tiles past the
+    limit). Every program writes the same values; a CTA barrier follows."""
     for c0 in range(c_lo, c_lo + n_ch, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         cm = cols < c_lo + n_ch
-        tl.store(pack_ptr + PACK_ROWS16 * C + cols, tl.load(pack_ptr + 3 * C + cols, mask=cm, other=0.0) * down,
-                 mask=cm)
-        tl.store(pack_ptr + (PACK_ROWS16 + 1) * C + cols,
-                 tl.load(pack_ptr + 4 * C + cols, mask=cm, other=0.0) * down, mask=cm)
+        sc = tl.load(pack_ptr + 3 * C + cols, mask=cm, other=0.0) * down
+        sh = tl.load(pack_ptr + 4 * C + cols, mask=cm, other=0.0) * down
+        if PAIRED:
+            tl.store(pack_ptr + PACK_ROWS16 * C + 2 * cols, sc, mask=cm)
+            tl.store(pack_ptr + PACK_ROWS16 * C + 2 * cols + 1, sh, mask=cm)
+        else:
+            tl.store(pack_ptr + PACK_ROWS16 * C + cols, sc, mask=cm)
+            tl.store(pack_ptr + (PACK_ROWS16 + 1) * C + cols, sh, mask=cm)
 
 
 @triton.jit
-def _vectors32(pack_ptr, chans, cmask, C, SCRATCH: tl.constexpr):
+def _vectors32(pack_ptr, chans, cmask, C, SCRATCH: tl.constexpr, PAIRED: tl.constexpr):
     """The fp32 transform's scale and shift at ``chans``: the pack's rows 3 and 4, or with SCRATCH the
-    scaled copies :func:`_write_scaled32` put in rows 5 and 6."""
-    if SCRATCH:
+    scaled copies :func:`_write_scaled32` put in rows 5 and 6 (PAIRED: interleaved, one tile)."""
+    if SCRATCH and PAIRED:
+        pair = PACK_ROWS16 * C + 2 * chans[:, None] + tl.arange(0, 2)[None, :]
+        if cmask is None:
+            v = tl.load(pack_ptr + pair)
+        else:
+            v = tl.load(pack_ptr + pair, mask=cmask[:, None], other=0.0)
+        sc, sh = tl.split(v)
+    elif SCRATCH:
         sc = _load_row(pack_ptr + PACK_ROWS16 * C + chans, cmask)
         sh = _load_row(pack_ptr + (PACK_ROWS16 + 1) * C + chans, cmask)
     else:
         sc, sh = _scale_shift(pack_ptr, chans, cmask, C)
     return sc, sh
+
+
+@triton.jit
+def _quad_cols(t, R: tl.constexpr, N: tl.constexpr):
+    """Columns of an (R × N) tile (R = 0: a vector of N) reordered in groups of 16: column
+    g·16 + h·8 + 2q + e takes column g·16 + 4q + 2h + e, so the four columns a thread holds in a
+    wgmma/mma A fragment (2q, 2q + 1, 2q + 8, 2q + 9 of a 16-column slice) are four adjacent channels:
+    one 128-bit shared-memory load of an fp32 quad, not two 64-bit ones."""
+    if R == 0:
+        return tl.reshape(tl.permute(tl.reshape(t, [N // 16, 4, 2, 2]), [0, 2, 1, 3]), [N])
+    else:
+        return tl.reshape(tl.permute(tl.reshape(t, [R, N // 16, 4, 2, 2]), [0, 1, 3, 2, 4]), [R, N])
 
 
 @triton.jit(do_not_specialize=("M", "H", "W", "P", "Q", "H2", "W2"))
@@ -140,7 +164,7 @@ def _fprop_kernel(
     H2, W2, C2, STRIDE2: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_RES: tl.constexpr, STATS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
-    PRO16: tl.constexpr, EVEN_C: tl.constexpr, EVEN_N: tl.constexpr, ONE_CK: tl.constexpr,
+    PRO16: tl.constexpr, EVEN_C: tl.constexpr, EVEN_N: tl.constexpr, ONE_CK: tl.constexpr, QUAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """``y[m, k] = Σ_{r,s,c} relu(x[pix(m,r,s), c]·scale[c] + shift[c]) · w[k, c, r, s]`` (+ bias[k]).
@@ -157,8 +181,10 @@ def _fprop_kernel(
     input under autocast) keep the fp32 transform. EVEN_C: the channels per group (and C2) are
     multiples of BLOCK_K (BLOCK_K2), so channel chunks need no mask; EVEN_N: K/GROUPS is a multiple of
     BLOCK_N; ONE_CK: the channels per group fit one chunk (≤ BLOCK_K), so the 16-bit transform's
-    vectors are loaded once, before the loop, and the loop runs over the taps alone. Rows past M
-    compute row M−1 (never stored).
+    vectors are loaded once, before the loop, and the loop runs over the taps alone. QUAD (an fp32 x
+    under 16-bit operands, ``configs.quad_channels``): the x tile's columns and the vectors reordered by
+    :func:`_quad_cols`, the filter's input channels given in the same order (``plan.mma_weight``),
+    and the vectors read interleaved. Rows past M compute row M−1 (never stored).
     Grid: (cdiv(M, BLOCK_M), cdiv(K/GROUPS, BLOCK_N), GROUPS).
     """
     Cg = C // GROUPS
@@ -172,8 +198,9 @@ def _fprop_kernel(
                                                         or xin_ptr.dtype.element_ty == tl.bfloat16)
     # fp16 operands: the transform vectors scaled into fp16's range, the accumulator back (exact).
     SCALED: tl.constexpr = PRO16 != 0 and DOT_DTYPE == tl.float16
-    # fp32 tiles under fp16 operands: their scaled fp32 vectors in the pack's scratch rows
-    X32S: tl.constexpr = SCALED and not X16
+    # fp32 tiles under fp16 operands: their scaled fp32 vectors in the pack's scratch rows; with QUAD
+    # (also bf16) the main loop's vectors there interleaved
+    X32S: tl.constexpr = (SCALED or QUAD) and not X16
     XIN32S: tl.constexpr = SCALED and HAS_PROJ and not XIN16
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -226,9 +253,9 @@ def _fprop_kernel(
     if XIN16:
         _write_pack16(pack2_ptr, 0, C2, C2, down, xin_ptr.dtype.element_ty, 256)
     if X32S:
-        _write_scaled32(pack_ptr, g * Cg, Cg, C, down, 256)
+        _write_scaled32(pack_ptr, g * Cg, Cg, C, down, 256, QUAD)
     if XIN32S:
-        _write_scaled32(pack2_ptr, 0, C2, C2, down, 256)
+        _write_scaled32(pack2_ptr, 0, C2, C2, down, 256, QUAD)  # pack2 may be pack: one layout
     if X16 or XIN16 or X32S or XIN32S:
         tl.debug_barrier()
     if X16:
@@ -288,8 +315,13 @@ def _fprop_kernel(
             else:
                 a = _preact16(xt, nm, s16, b16, None, False, PRO16 == 2)
         else:
-            sc, sh = _vectors32(pack_ptr, g * Cg + c_off + kk, c_mask, C, X32S)
-            z = tl.fma(xt.to(tl.float32), sc[None, :], sh[None, :])
+            sc, sh = _vectors32(pack_ptr, g * Cg + c_off + kk, c_mask, C, X32S, QUAD)
+            xt = xt.to(tl.float32)
+            if QUAD:
+                xt = _quad_cols(xt, BLOCK_M, BLOCK_K)
+                sc = _quad_cols(sc, 0, BLOCK_K)
+                sh = _quad_cols(sh, 0, BLOCK_K)
+            z = tl.fma(xt, sc[None, :], sh[None, :])
             if PADDED:
                 z = tl.where(keep[:, None], z, 0.0)  # a padded tap: 0 (not relu(shift))
             a = _relu_round(z, DOT_DTYPE, PRO16 == 2)
@@ -330,7 +362,7 @@ def _fprop_kernel(
                 b16 = _load_row(v16b + 2 * C2 + offs_c, c_mask)
                 a2 = _preact16(xt2, nm, s16, b16, None, False, PRO16 == 2)
             else:
-                sc, sh = _vectors32(pack2_ptr, offs_c, c_mask, C2, XIN32S)
+                sc, sh = _vectors32(pack2_ptr, offs_c, c_mask, C2, XIN32S, QUAD)
                 a2 = _relu_round(tl.fma(xt2.to(tl.float32), sc[None, :], sh[None, :]), DOT_DTYPE, PRO16 == 2)
             acc = tl.dot(a2.to(DOT_DTYPE), wt2.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
     if SCALED:  # e again (not held through the loop: registers)

@@ -45,18 +45,36 @@ from fused_preact.ops.triton.configs import (
     candidates,
     contig_nhwc,
     dgrad_config,
+    dgrad_slots,
     fprop_config,
     is_channels_last,
     max_offset,
     nhwc_strides_of,
     out_strides,
     p2,
+    quad_channels,
     wgrad_config,
     wgrad_split,
 )
 from fused_preact.ops.triton.tuning import cache_for, choose, tuning_enabled
 
 __all__ = ["TritonPlan"]
+
+
+def mma_weight(w: Optional[torch.Tensor], cdtype: torch.dtype, quad: bool = False) -> Optional[torch.Tensor]:
+    """A conv weight (K, C/groups, R, S) as the kernels' MMA operand: ``w`` itself when it is in the
+    compute dtype ``cdtype`` (None stays None), else converted once per call — as ``F.conv2d`` under
+    ``torch.autocast`` casts an fp32 weight to the autocast dtype (same rounding: to nearest even) —
+    into channels_last (input channels contiguous: vector loads for any filter). Given an fp32 weight,
+    every program of a 16-bit launch would convert its weight tiles itself (and 128×64 fprop tiles
+    spill). ``quad``: a copy with the input channels in the order of fprop's quads
+    (``configs.quad_channels``): channel g·16 + h·8 + 2q + e takes channel g·16 + 4q + 2h + e."""
+    if w is None or (not quad and w.dtype == cdtype):
+        return w
+    if quad:
+        K, C, R, S = w.shape
+        w = w.reshape(K, C // 16, 4, 2, 2, R, S).transpose(2, 3).reshape(K, C, R, S)
+    return w.to(cdtype, memory_format=torch.channels_last)
 
 
 class TritonPlan:
@@ -106,7 +124,8 @@ class TritonPlan:
             unit = UnitPlan(g, shapes[i], shapes[i + 1], in_strides, out_st, modes[i],
                             over.get("fprop") or fprop_config(N * P * Q, Kg, Cg, cdtype, stats_out,
                                                               **self.tile_args(i, g, "fprop")),
-                            over.get("dgrad") or dgrad_config(N * H * W, Cg, Kg, cdtype),
+                            over.get("dgrad") or dgrad_config(N * H * W, Cg, Kg, cdtype, dgrad_slots(g, Kg, cdtype),
+                                                              self.arch),
                             over.get("wgrad") or wgrad_config(Kg, Cg, N * P * Q, cdtype, **self.tile_args(i, g)), 1,
                             stats_out)
             if tune and overrides is None and _tunes_on(device):
@@ -137,7 +156,9 @@ class TritonPlan:
         g = u.geom
         Cg, Kg = u.in_shape[1] // g.groups, u.out_shape[1] // g.groups
         m, n, k = {"fprop": (u.M_out, Kg, Cg), "dgrad": (u.M_in, Cg, Kg), "wgrad": (Kg, Cg, u.M_out)}[kind]
-        return candidates(kind, m, n, k, self.cdtype, **(self.tile_args(i, g, kind) if kind != "dgrad" else {}))
+        args = self.tile_args(i, g, kind) if kind != "dgrad" else dict(slots=dgrad_slots(g, Kg, self.cdtype),
+                                                                        arch=self.arch)
+        return candidates(kind, m, n, k, self.cdtype, **args)
 
     # ------------------------------------------------------------------------------------ layout
     def _plan_proj(self, split: Optional[int]) -> None:
@@ -225,8 +246,9 @@ class TritonPlan:
             launch.fprop(u, **self._fprop_args(i, u, inputs[i], out if i == n - 1 else inputs[i + 1], t, aux, x))
         if proj_out is not None:
             pu = self.proj_unit
-            launch.fprop(pu, x=x, w=t.proj_weight, pack=self.aux_view(aux, "pack0"), bias=None, y=proj_out,
-                         part=None, cdtype=self.cdtype, idx64=self.idx64, name="fprop_proj")
+            quad = quad_channels(x.dtype, self.cdtype, x.shape[1])
+            launch.fprop(pu, x=x, w=mma_weight(t.proj_weight, self.cdtype, quad), pack=self.aux_view(aux, "pack0"), bias=None,
+                         y=proj_out, part=None, cdtype=self.cdtype, idx64=self.idx64, name="fprop_proj")
         stats = None
         if self.out_stats:
             stats = StatsHandoff(self.aux_view(aux, "outpart"), *self.handoff_geometry())
@@ -256,8 +278,9 @@ class TritonPlan:
             part = self.aux_view(aux, "outpart")
         elif u.stats_out:
             part = self.aux_view(aux, f"part{i + 1}")
-        args = dict(x=xin, w=t.weights[i], pack=self.aux_view(aux, f"pack{i}"), bias=t.biases[i], y=dst, part=part,
-                    cdtype=self.cdtype, idx64=self.idx64, x0_shape=self.x_shape)
+        quad = quad_channels(xin.dtype, self.cdtype, u.in_shape[1] // u.geom.groups)
+        args = dict(x=xin, w=mma_weight(t.weights[i], self.cdtype, quad), pack=self.aux_view(aux, f"pack{i}"), bias=t.biases[i],
+                    y=dst, part=part, cdtype=self.cdtype, idx64=self.idx64, x0_shape=self.x_shape)
         proj = last and spec.proj is not None and spec.proj_out == "add"
         res = spec.residual if last else "none"
         if proj or res == "input":
@@ -265,7 +288,8 @@ class TritonPlan:
         elif res == "tensor":
             args.update(x0=t.residual, x0_strides=nhwc_strides(t.residual))
         if proj:
-            args.update(proj_w=t.proj_weight, proj_stride=spec.proj.stride[0], pack0=self.aux_view(aux, "pack0"))
+            args.update(proj_w=mma_weight(t.proj_weight, self.cdtype), proj_stride=spec.proj.stride[0],
+                        pack0=self.aux_view(aux, "pack0"))
         args["residual"] = res != "none"
         return args
 
@@ -324,7 +348,7 @@ class TritonPlan:
                        wparts, weights, proj_weight, grads: ChainGrads, target, target_strides) -> None:
         spec, g = self.spec, u.geom
         C = u.in_shape[1]
-        xin, w = saved.inputs[i], weights[i]
+        xin, w = saved.inputs[i], mma_weight(weights[i], self.cdtype)
         pack, psum, coef = (self.aux_view(saved.aux, f"{name}{i}") for name in ("pack", "part", "coef"))
         kind = u.mode.kind
         skip_dx = i == 0 and target is None
@@ -336,8 +360,8 @@ class TritonPlan:
         proj = dict()
         if i == 0 and spec.proj is not None:
             dy2 = dy if spec.proj_out == "add" else dy_proj
-            proj = dict(dy2=dy2, dy2_strides=nhwc_strides(dy2), dy2_shape=tuple(dy2.shape), w2=proj_weight,
-                        proj_stride=spec.proj.stride[0])
+            proj = dict(dy2=dy2, dy2_strides=nhwc_strides(dy2), dy2_shape=tuple(dy2.shape),
+                        w2=mma_weight(proj_weight, self.cdtype), proj_stride=spec.proj.stride[0])
         # ---- dgrad (+ the projection's), epilogue: ReLU mask, per-tile sums, and dx itself when the
         # statistics are constants (eval mode / given from outside).
         write_dx = kind != BATCH and not skip_dx
