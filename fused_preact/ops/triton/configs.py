@@ -141,7 +141,7 @@ def _narrow_rows(M: int, block_n: int, block_k: int, arch: int, rows: int = 64) 
     (``arch`` ≥ 90) 256 rows (128 for 32 channels with 128-deep steps, which spill at 256), elsewhere
     128 (256 spill on sm_80), as many as M has 8 tiles of — the accumulator is small, and the loop's fixed
     cost then spreads over more MMAs (static, sm_90: PreActResNet-164's 3×3 32→32 dgrad 1.30 → 0.99,
-    1×1 64→32 1.47 → 0.86, 16→16 3.16 → 1.94); else ``rows``."""
+    1×1 64→32 1.47 → 0.86, 16→16 3.16 → 1.82); else ``rows``."""
     if block_n <= 32:
         for wide in (256, 128):
             if M >= 8 * wide and (wide == 128 or (arch >= 90 and (block_n == 16 or block_k <= 64))):

@@ -223,16 +223,23 @@ def _dgrad_kernel(
         # a column's bit of the rows' tap words in filter row 0 (0 for a masked column): a step shifts
         # it by the row (one shift per column, not per row) and each row tests it with one AND
         col_bit = tl.where(col_ok, 1 << s_col, 0)
+        # the filter row's dy row offset, tap-bit shift and weight offset, advanced by a step each
+        if PHASED:
+            oh = (ph0 + PAD_H - r0) // STRIDE_H
+            oh_step = 1
+        else:
+            oh = PAD_H
+            oh_step = DIL_H
+        shift = r0 * S
+        w_r = r0 * swr
         for it in range(NR * NUM_KK):  # NUM_KK is 1 here (a runtime 1: the loop stays a loop)
-            r = r0 + it * step_h
-            if PHASED:
-                oh = (ph0 + PAD_H - r) // STRIDE_H
-            else:
-                oh = PAD_H - r * DIL_H
-            valid = (taps[:, None] & (col_bit << (r * S))[None, :]) != 0
+            valid = (taps[:, None] & (col_bit << shift)[None, :]) != 0
             dyt = tl.load(dy_ptr + (dy_row + oh * sdh)[:, None] + dy_cols, mask=valid, other=0.0)
-            wt = tl.load(w_ptr + (w_cols + r * swr), mask=w_ok, other=0.0)
+            wt = tl.load(w_ptr + (w_cols + w_r), mask=w_ok, other=0.0)
             acc = tl.dot(dyt.to(DOT_DTYPE), wt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
+            oh -= oh_step
+            shift += step_h * S
+            w_r += step_h * swr
     else:
         kk = 0
         ss = 0
