@@ -122,7 +122,8 @@ def test_candidates_are_clamped_and_unique():
 
 def test_wgrad_rows_follow_the_arch(monkeypatch):
     """256-row wgrad tiles (≤ 64 output channels) only where they compile without spills: sm_90,
-    16-bit activations (not autocast's fp32 input), stride 1; as default and as a candidate. A plan
+    16-bit activations (not autocast's fp32 input), stride 1, not fp16's 32-wide tiles; as default
+    and as a candidate. A plan
     takes the arch it is given (the static report's) or its device's (0 off CUDA)."""
     from fused_preact.ops import BATCH, BNMode, ChainSpec, ConvGeom
     from fused_preact.ops.triton import configs
@@ -133,6 +134,8 @@ def test_wgrad_rows_follow_the_arch(monkeypatch):
     assert wgrad_config(64, 64, 10**6, torch.bfloat16, arch=90) == wide
     assert wgrad_config(64, 64, 10**6, torch.float16, arch=90) == wide
     assert wgrad_config(16, 64, 10**6, torch.bfloat16, arch=90).BLOCK_K == 256
+    assert wgrad_config(32, 64, 10**6, torch.bfloat16, arch=90).BLOCK_K == 256
+    assert wgrad_config(32, 64, 10**6, torch.float16, arch=90).BLOCK_K == 128  # spills with an fp32 dW
     for kw in (dict(arch=80), dict(arch=0), dict(arch=90, x32=True), dict(arch=90, strided=True)):
         assert wgrad_config(64, 64, 10**6, torch.bfloat16, **kw) == GemmConfig(64, 64, 128, 4, 3), kw
     assert wgrad_config(128, 64, 10**6, torch.bfloat16, arch=90).BLOCK_K == 64

@@ -16,7 +16,8 @@ would run, so the report compiles what runs. Recorded per block and dtype:
     ``role`` says which (``default``/``candidate``);
     the wgrad K-split a GPU of each arch would choose (132 SMs on sm_90, 108 on sm_80), besides 1;
     the output statistics epilogue on (a block followed by another) and off (the last block);
-    16-bit dtypes also under autocast: an fp32 input (and residual) with 16-bit compute, default tiles,
+    16-bit dtypes also under autocast: an fp32 input (and residual) and fp32 parameters with 16-bit
+    compute (mixed-precision training: the plan casts the weights, wgrad stores an fp32 dW), default tiles,
     train mode; the launches that take fp32 activations are labelled ``x32`` in their variant.
 
 Meta tensors report ``data_ptr() == 0``, i.e. 16-byte aligned, as the caching allocator's blocks are.
@@ -146,7 +147,7 @@ def _record(spec, modes, x_shape, dtype, out_stats: bool, overrides=None, split:
     x = torch.empty(x_shape, device="meta", dtype=x_dtype or dtype).contiguous(memory_format=torch.channels_last)
     plan = TritonPlan(spec, modes, x.shape, x.stride(), x.dtype, x.device, dtype, False, out_stats,
                       overrides=overrides, split=split, tune=False, arch=arch)
-    t = _meta_tensors(spec, dtype)
+    t = _meta_tensors(spec, x_dtype or dtype)  # autocast: fp32 parameters (and dW), as mixed precision trains
     with recording() as launches:
         fwd = plan.forward(x, t)
         dy = torch.empty(fwd.out.shape, device="meta", dtype=dtype).contiguous(memory_format=torch.channels_last)

@@ -149,10 +149,14 @@ def _narrow_rows(M: int, block_n: int, block_k: int, arch: int, rows: int = 64) 
     return rows
 
 
-def _wide_wgrad_rows(arch: int, dtype: torch.dtype, x32: bool, strided: bool) -> bool:
+def _wide_wgrad_rows(arch: int, dtype: torch.dtype, x32: bool, strided: bool, Kg: int = 64) -> bool:
     """Whether wgrad tiles of ≤ 64 output channels may take 256 rows: on sm_90 (compute capability
     ``arch`` ≥ 90) with 16-bit activations of a stride-1 conv. Elsewhere they spill at 255 registers
-    (sm_80; autocast's fp32 activations, ``x32``; strided convs' row arithmetic)."""
+    (sm_80; autocast's fp32 activations, ``x32``; strided convs' row arithmetic), and so does fp16's
+    32-wide tile (``Kg``: output channels per group, 17–32) storing an fp32 dW (mixed-precision
+    training's fp32 parameters; the plan does not know the weights' dtype)."""
+    if dtype == torch.float16 and p2(Kg, 16, 128) == 32:
+        return False
     return arch >= 90 and dtype in (torch.float16, torch.bfloat16) and not x32 and not strided
 
 
@@ -174,7 +178,7 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x3
     if dtype == torch.float32:  # fp32 operands (TF32 MMA): half the rows per block
         return GemmConfig(p2(Kg, 16, 64), 64, 32, 4, 4)
     bm = p2(Kg, 16, 128)
-    if bm <= 64 and _wide_wgrad_rows(arch, dtype, x32, strided):
+    if bm <= 64 and _wide_wgrad_rows(arch, dtype, x32, strided, Kg):
         return GemmConfig(bm, 64, 256, 4, 2)
     return GemmConfig(bm, 64, 128 if bm <= 64 else 64, 4, 3)
 
@@ -202,7 +206,7 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int 
     :func:`dgrad_slots`)."""
     half = 2 if dtype == torch.float32 else 1
     space = {"fprop": _FPROP_SPACE, "dgrad": _DGRAD_SPACE, "wgrad": _WGRAD_SPACE}[kind]
-    if kind == "wgrad" and m <= 64 and _wide_wgrad_rows(arch, dtype, x32, strided):
+    if kind == "wgrad" and m <= 64 and _wide_wgrad_rows(arch, dtype, x32, strided, m):
         space = space + _WGRAD_WIDE
     out: list[GemmConfig] = []
     for bm, bn, bk, warps, stages in space:
