@@ -19,7 +19,7 @@ from fused_preact.ops.spec import BNMode, ConvGeom
 from fused_preact.ops.triton import kernels_bn as BK
 from fused_preact.ops.triton import kernels_conv as CK
 from fused_preact.ops.triton import kernels_fprop as FK
-from fused_preact.ops.triton.configs import FOLD_BLOCK, GemmConfig, UnitPlan, p2, quad_channels
+from fused_preact.ops.triton.configs import FOLD_BLOCK, GemmConfig, UnitPlan, p2
 
 __all__ = ["Launch", "recording", "magic", "stats_partial", "finalize", "fprop", "dgrad", "wgrad", "dx"]
 
@@ -163,12 +163,13 @@ def fprop(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Tensor, 
           y: torch.Tensor, part: Optional[torch.Tensor], cdtype: torch.dtype, idx64: bool,
           x0: Optional[torch.Tensor] = None, x0_strides=(0, 0, 0, 0), x0_shape=(1, 1, 1, 1),
           proj_w: Optional[torch.Tensor] = None, proj_stride: int = 1, pack0: Optional[torch.Tensor] = None,
-          residual: bool = False, name: str = "fprop") -> None:
+          residual: bool = False, quad: bool = False, name: str = "fprop") -> None:
     """``y = conv(relu(x·scale + shift), w) (+ bias)`` for unit ``u`` (x: u's input through
     ``u.in_strides``; y through ``u.out_strides``), with the epilogue options: ``part`` gets the
     per-tile (mean, M2) of the stored y; ``proj_w`` adds a 1×1 stride-``proj_stride`` projection of
     ``relu(bn_0(x0))`` (``pack0``) to the accumulator; ``residual`` adds ``x0`` itself (identity
-    shortcut, or a residual tensor passed as ``x0``)."""
+    shortcut, or a residual tensor passed as ``x0``). ``quad``: x's channels taken in quads, ``w``'s
+    input channels given in that order (``configs.quad_channels``, ``plan.mma_weight``)."""
     g, cfg = u.geom, u.fcfg
     K = u.out_shape[1]
     grid = (triton.cdiv(u.M_out, cfg.BLOCK_M), triton.cdiv(K // g.groups, cfg.BLOCK_N), g.groups)
@@ -183,7 +184,7 @@ def fprop(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Tensor, 
     kw = dict(**_geo(g, u.in_shape, u.out_shape), H2=x0_shape[2], W2=x0_shape[3], C2=C2, STRIDE2=proj_stride,
               HAS_BIAS=bias is not None, HAS_PROJ=proj_w is not None, HAS_RES=residual, STATS=part is not None,
               **_dot(cdtype, idx64), PRO16=pro16, EVEN_C=even_c, EVEN_N=Kg % cfg.BLOCK_N == 0,
-              ONE_CK=Cg <= cfg.BLOCK_K, QUAD=quad_channels(x.dtype, cdtype, Cg),
+              ONE_CK=Cg <= cfg.BLOCK_K, QUAD=quad,
               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, BLOCK_K2=block_k2,
               UNROLL=cfg.unroll, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if _recorder is not None:

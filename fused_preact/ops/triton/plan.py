@@ -248,7 +248,7 @@ class TritonPlan:
             pu = self.proj_unit
             quad = quad_channels(x.dtype, self.cdtype, x.shape[1])
             launch.fprop(pu, x=x, w=mma_weight(t.proj_weight, self.cdtype, quad), pack=self.aux_view(aux, "pack0"), bias=None,
-                         y=proj_out, part=None, cdtype=self.cdtype, idx64=self.idx64, name="fprop_proj")
+                         y=proj_out, part=None, cdtype=self.cdtype, idx64=self.idx64, quad=quad, name="fprop_proj")
         stats = None
         if self.out_stats:
             stats = StatsHandoff(self.aux_view(aux, "outpart"), *self.handoff_geometry())
@@ -280,7 +280,7 @@ class TritonPlan:
             part = self.aux_view(aux, f"part{i + 1}")
         quad = quad_channels(xin.dtype, self.cdtype, u.in_shape[1] // u.geom.groups)
         args = dict(x=xin, w=mma_weight(t.weights[i], self.cdtype, quad), pack=self.aux_view(aux, f"pack{i}"), bias=t.biases[i],
-                    y=dst, part=part, cdtype=self.cdtype, idx64=self.idx64, x0_shape=self.x_shape)
+                    y=dst, part=part, cdtype=self.cdtype, idx64=self.idx64, x0_shape=self.x_shape, quad=quad)
         proj = last and spec.proj is not None and spec.proj_out == "add"
         res = spec.residual if last else "none"
         if proj or res == "input":
