@@ -166,12 +166,9 @@ def test_autocast_first_conv_takes_channels_in_quads(k, groups, dtype):
     _autocast_against_float64(fused.to(DEVICE), eager64, torch.randn(2, 64, 5, 6) * 2 + 0.5, dtype)
 
 
-@pytest.mark.parametrize("dtype", AUTOCAST_DTYPES, ids=str)
-def test_autocast_quads_beside_a_projection_of_the_same_batchnorm(dtype):
-    """A one-conv chain whose projection shortcut (added to the output) reads the same BatchNorm: the
-    fprop launch's two packs are one buffer, so the main loop's quad-ordered (interleaved) vectors and
-    the projection's fp16-scaled ones share its scratch rows; every gradient and the output within the
-    16-bit tolerance of float64 (found by review: fp16 wrote the two layouts over each other)."""
+def _one_conv_with_projection(seed: int):
+    """(fused, float64 eager twin): a one-conv chain (3×3 stride 2, 32 → 16) whose projection shortcut,
+    added to the output, reads the same BatchNorm (reachable through ``run_units``)."""
     import torch.nn.functional as F
 
     from fused_preact.modules import FusedModuleBase, run_units
@@ -195,10 +192,39 @@ def test_autocast_quads_beside_a_projection_of_the_same_batchnorm(dtype):
             a = F.relu(self.bn(x))
             return self.conv(a) + self.shortcut(a)
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     fused = OneConv()
     _randomize_bn(fused, seed=2)
-    eager64 = Eager(copy.deepcopy(fused)).double()
+    return fused, Eager(copy.deepcopy(fused)).double()
+
+
+@pytest.mark.parametrize("dtype", AUTOCAST_DTYPES, ids=str)
+def test_autocast_quads_beside_a_projection_of_the_same_batchnorm(dtype):
+    """A one-conv chain whose projection shortcut (added to the output) reads the same BatchNorm: the
+    fprop launch's two packs are one buffer, so the main loop's quad-ordered (interleaved) vectors and
+    the projection's fp16-scaled ones share its scratch rows; every gradient and the output within the
+    16-bit tolerance of float64 (found by review: fp16 wrote the two layouts over each other)."""
+    fused, eager64 = _one_conv_with_projection(0)
+    _autocast_against_float64(fused.to(DEVICE), eager64, torch.randn(2, 32, 6, 6) * 2 + 0.5, dtype)
+
+
+@pytest.mark.parametrize("dtype", AUTOCAST_DTYPES, ids=str)
+def test_autocast_unrolled_fprop(monkeypatch, dtype):
+    """fprop's loop unrolled into two accumulators (``GemmConfig.unroll``, sm_90's rule for narrow
+    tiles, also on autocast's fp32 input) with quad-ordered 16-channel chunks: a 1×1 of 3 chunks (odd:
+    the step after the loop), a 3×3 of 4 chunks (36 steps) and the one-conv chain with a projection of
+    the same BatchNorm; output and every gradient within the 16-bit tolerance of float64."""
+    import fused_preact.ops.triton.plan as triton_plans
+    from fused_preact.ops.triton.configs import GemmConfig
+
+    monkeypatch.setattr(triton_plans, "fprop_config", lambda *args, **kwargs: GemmConfig(16, 16, 16, unroll=2))
+    for c, k in ((48, 1), (64, 3)):
+        torch.manual_seed(c)
+        fused = FusedBNReLUConv2d(c, 16, k, padding=k // 2, backend="triton")
+        _randomize_bn(fused, seed=5)
+        eager64 = nn.Sequential(copy.deepcopy(fused.bn), nn.ReLU(), copy.deepcopy(fused.conv)).double()
+        _autocast_against_float64(fused.to(DEVICE), eager64, torch.randn(2, c, 5, 6) * 2 + 0.5, dtype)
+    fused, eager64 = _one_conv_with_projection(3)
     _autocast_against_float64(fused.to(DEVICE), eager64, torch.randn(2, 32, 6, 6) * 2 + 0.5, dtype)
 
 

@@ -170,10 +170,12 @@ def test_momentum_one_and_zero(backend):
     _run(SHAPES[4], True, False, torch.float32, momentum=0.0, backend=backend)
 
 
-@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[10]], ids=_ids)
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[10], SHAPES[2], SHAPES[9]], ids=_ids)
 def test_fprop_unrolled_loop(monkeypatch, shape):
-    """fprop with its main loop unrolled twice (GPU tiles of :func:`fprop_unroll`) on small tiles:
-    9 taps × 1 chunk (an odd trip count: the unrolled loop's remainder) and 9 taps × 3 chunks."""
+    """fprop with its main loop unrolled twice into two accumulators (GPU tiles of
+    :func:`fprop_unroll`) on small tiles: 9 taps × 1 chunk and 9 taps × 3 chunks (odd trip counts: the
+    step after the loop), 1 tap × 2 chunks (even: both accumulators, no remainder), 1 × 1 (the
+    remainder alone)."""
     monkeypatch.setattr(triton_plans, "fprop_config", lambda *args, **kwargs: GemmConfig(16, 16, 16, unroll=2))
     monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
     _run(shape, True, True, torch.float16)

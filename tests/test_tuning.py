@@ -160,26 +160,27 @@ def test_wgrad_rows_follow_the_arch(monkeypatch):
 
 
 def test_fprop_unrolls_where_the_arch_allows(monkeypatch):
-    """fprop's main loop runs unrolled twice only on sm_90, in 16-bit, stride 1, not on autocast's
-    fp32 activations, and with 128×64×64 tiles only for a bf16 filter of several taps without a
-    projection epilogue (elsewhere they spill unrolled); candidates alike."""
+    """fprop's main loop runs unrolled twice (two accumulators) only on sm_90, in 16-bit compute, for
+    output tiles of at most 64×64 or 16-deep steps (a second 128×64 or 64×128 accumulator spills);
+    candidates alike."""
     from fused_preact.ops.triton import configs
 
     monkeypatch.setattr(configs, "interpreting", lambda: False)
     fprop_config = configs.fprop_config
-    # Kg = 256: 64×128×64 tiles; Kg = 16: 128×16×64 (narrow); Kg = 64: 128×64×64
-    assert fprop_config(10**6, 256, 64, torch.bfloat16, True, arch=90).unroll == 2
-    assert fprop_config(10**6, 16, 64, torch.float16, True, arch=90).unroll == 2
-    assert fprop_config(10**6, 64, 64, torch.bfloat16, True, arch=90).unroll == 1  # a 1×1
-    assert fprop_config(10**6, 64, 64, torch.bfloat16, True, arch=90, taps=9).unroll == 2  # a 3×3, bf16 only
-    assert fprop_config(10**6, 64, 64, torch.float16, True, arch=90, taps=9).unroll == 1
-    assert fprop_config(10**6, 64, 64, torch.bfloat16, True, arch=90, taps=9, proj=True).unroll == 1
-    for kw in (dict(arch=80), dict(arch=0), dict(arch=90, x32=True), dict(arch=90, strided=True)):
-        assert fprop_config(10**6, 256, 64, torch.bfloat16, True, **kw).unroll == 1, kw
-    assert fprop_config(10**6, 256, 64, torch.float32, True, arch=90).unroll == 1
-    unrolled = {c.label() for c in candidates("fprop", 10**6, 256, 64, torch.bfloat16, arch=90) if c.unroll == 2}
-    assert unrolled and all("128x64x64" not in lab for lab in unrolled)
-    assert all(c.unroll == 1 for c in candidates("fprop", 10**6, 256, 64, torch.bfloat16, arch=80))
+    # (Kg, Cg) → tiles: (256, 64) 64×128×64; (64, 64) 128×64×64; (16, 64) 128×16×64; (32, 32) 128×32×32;
+    # (64, 16) 128×64×16 (16-deep steps)
+    for kg, cg, unroll in ((256, 64, 1), (64, 64, 1), (16, 64, 2), (32, 32, 2), (64, 16, 2)):
+        for dtype in (torch.bfloat16, torch.float16):
+            assert fprop_config(10**6, kg, cg, dtype, True, arch=90).unroll == unroll, (kg, cg, dtype)
+        assert fprop_config(10**6, kg, cg, torch.bfloat16, True, arch=80).unroll == 1
+        assert fprop_config(10**6, kg, cg, torch.bfloat16, True, arch=0).unroll == 1
+        assert fprop_config(10**6, kg, cg, torch.float32, True, arch=90).unroll == 1
+    assert fprop_config(10**6, 64, 16, torch.bfloat16, True, arch=90).num_stages == 3  # one stage less
+    for kg, cg in ((256, 64), (64, 16), (16, 64)):
+        cands = candidates("fprop", 10**6, kg, cg, torch.bfloat16, arch=90)
+        assert any(c.unroll == 2 for c in cands)
+        assert all((c.unroll == 2) == (c.BLOCK_M * c.BLOCK_N <= 64 * 64 or c.BLOCK_K == 16) for c in cands)
+        assert all(c.unroll == 1 for c in candidates("fprop", 10**6, kg, cg, torch.bfloat16, arch=80))
 
 
 def test_dgrad_takes_a_filter_row_per_step_for_narrow_outputs(monkeypatch):

@@ -51,25 +51,21 @@ class GemmConfig:
         return f"{self.BLOCK_M}x{self.BLOCK_N}x{self.BLOCK_K}_w{self.num_warps}_s{self.num_stages}{u}{t}"
 
 
-def fprop_unroll(cfg: GemmConfig, dtype: torch.dtype, x32: bool, arch: int, strided: bool,
-                 proj: bool = False, taps: int = 1) -> GemmConfig:
-    """``cfg`` with fprop's main loop unrolled twice where that compiles without spills and keeps the
-    wgmma pipeline: sm_90 (``arch`` ≥ 90; on sm_80 a 64×128×32 tile spills at its 168-register cap),
-    16-bit compute, 16-bit activations (not autocast's fp32 ones, ``x32``), stride 1 (strided loops
-    unrolled wait for every wgmma), and a register A tile of at most 64×64 or an output tile at most
-    32 channels wide; 128×64×64 tiles only in bf16, for a filter of several ``taps``, without a
-    projection epilogue (``proj``): fp16's scaled vectors, a 1×1's loop or the projection's take them
-    to 255 registers and spills. Unrolled, consecutive iterations' register-sourced MMAs take
-    different registers, so the copies ptxas adds to keep an in-flight wgmma's operand go, and the
-    loop's fixed costs halve (static issue ratio on sm_90: 10–20% lower; PreActResNet-50's 3×3 64→64
-    in bf16 0.99 → 0.82), with one pipeline stage less."""
-    if interpreting() or dtype == torch.float32 or x32 or arch < 90 or strided:
+def fprop_unroll(cfg: GemmConfig, dtype: torch.dtype, arch: int) -> GemmConfig:
+    """``cfg`` with fprop's main loop unrolled twice, into two accumulators (``kernels_fprop``'s UNROLL),
+    where that keeps the wgmma pipeline and compiles without spills: sm_90 (``arch`` ≥ 90), 16-bit
+    compute, and an output tile of at most 64×64 or 16-deep reduction steps. A loop around one
+    register-sourced dot that Triton cannot split (a 16-deep step) waits for it at depth 0 every
+    iteration; two dots into two accumulators leave each other in flight (one accumulator chained
+    through both makes the first wait at depth 0), and their register operands take different
+    registers, so ptxas copies none away from an in-flight wgmma. Static issue ratio on sm_90:
+    PreActResNet-164's 1×1 beside a projection or residual 1.06–1.14 → 0.88, its 3×3 32→32 2.6 → 2.4.
+    A second 128×64 or 64×128 accumulator spills beside a 3×3's operands and the epilogues' (and those
+    loops already meet the limits rolled). One pipeline stage less: a stage holds two steps' operands,
+    so the prefetch distance in steps stays and shared memory grows by a third, not twice."""
+    if interpreting() or dtype == torch.float32 or arch < 90:
         return cfg
-    wide_a = cfg.BLOCK_M * cfg.BLOCK_K > 64 * 64 and cfg.BLOCK_N > 32
-    if not wide_a or (dtype == torch.bfloat16 and not proj and taps > 1
-                      and cfg.BLOCK_M * cfg.BLOCK_N * cfg.BLOCK_K <= 128 * 64 * 64):
-        # one stage less: each stage now holds two iterations' operands, so the prefetch distance in
-        # iterations stays and shared memory grows by a third, not twice (occupancy)
+    if cfg.BLOCK_M * cfg.BLOCK_N <= 64 * 64 or cfg.BLOCK_K == 16:
         return dataclasses.replace(cfg, unroll=2, num_stages=max(2, cfg.num_stages - 1))
     return cfg
 
@@ -84,8 +80,7 @@ def quad_channels(x_dtype: torch.dtype, cdtype: torch.dtype, Cg: int) -> bool:
     return x_dtype == torch.float32 and cdtype != torch.float32 and Cg % 16 == 0 and Cg > 16
 
 
-def fprop_config(M: int, Kg: int, Cg: int, dtype: torch.dtype, stats: bool, arch: int = 0, x32: bool = False,
-                 strided: bool = False, proj: bool = False, taps: int = 1) -> GemmConfig:
+def fprop_config(M: int, Kg: int, Cg: int, dtype: torch.dtype, stats: bool, arch: int = 0) -> GemmConfig:
     """Default fprop tiles for an (M × Cg·R·S)·(… × Kg) implicit GEMM (M = N·P·Q output pixels).
 
     16-bit: one warpgroup (4 warps; with 8, Triton's loop has a third barrier per iteration) and 128
@@ -99,8 +94,7 @@ def fprop_config(M: int, Kg: int, Cg: int, dtype: torch.dtype, stats: bool, arch
     block_n = 128 if Kg >= 128 else p2(Kg, 16, 64)
     block_m = 64 if block_n == 128 or M < 8 * 128 else 128
     block_k = p2(Cg, 16, 64)
-    return fprop_unroll(GemmConfig(block_m, block_n, block_k, 4, 3 if block_k == 64 else 4), dtype, x32, arch,
-                        strided, proj, taps)
+    return fprop_unroll(GemmConfig(block_m, block_n, block_k, 4, 3 if block_k == 64 else 4), dtype, arch)
 
 
 def dgrad_slots(g: ConvGeom, Kg: int, dtype: torch.dtype) -> int:
@@ -197,13 +191,12 @@ _WGRAD_WIDE = ((64, 64, 256, 4, 2),)
 
 
 def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int = 0, x32: bool = False,
-               strided: bool = False, proj: bool = False, taps: int = 1, slots: int = 1) -> list[GemmConfig]:
+               strided: bool = False, slots: int = 1) -> list[GemmConfig]:
     """The pruned tile space of a conv kernel for an (m × k)·(k × n) GEMM (``kind``: fprop, dgrad
     or wgrad; for wgrad m is the output channels, n the input channels, k the rows): blocks clamped to
-    the problem (powers of two ≥ 16), duplicates removed. ``arch``, ``x32``, ``strided``: as
-    :func:`wgrad_config` (wgrad's 256-row tiles, fprop's :func:`fprop_unroll`; ``proj``: fprop with the
-    projection shortcut in its epilogue; ``taps``: the filter's R·S; ``slots``: dgrad's taps per step,
-    :func:`dgrad_slots`)."""
+    the problem (powers of two ≥ 16), duplicates removed. ``arch``: as :func:`fprop_unroll` and
+    :func:`wgrad_config`; ``x32``, ``strided``: as :func:`wgrad_config` (its 256-row tiles);
+    ``slots``: dgrad's taps per step, :func:`dgrad_slots`."""
     half = 2 if dtype == torch.float32 else 1
     space = {"fprop": _FPROP_SPACE, "dgrad": _DGRAD_SPACE, "wgrad": _WGRAD_SPACE}[kind]
     if kind == "wgrad" and m <= 64 and _wide_wgrad_rows(arch, dtype, x32, strided, m):
@@ -227,7 +220,7 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int 
             bn = min(bn, 64)
         cfg = GemmConfig(bm, bn, bk, 4 if bm * bn < 128 * 64 else warps, stages, slots=slots if kind == "dgrad" else 1)
         if kind == "fprop":
-            cfg = fprop_unroll(cfg, dtype, x32, arch, strided, proj, taps)
+            cfg = fprop_unroll(cfg, dtype, arch)
         if cfg not in out:
             out.append(cfg)
     return out

@@ -2,9 +2,12 @@
 implicit GEMM (fp32 accumulation), with the statistics / residual / projection epilogues.
 
 Main loop (one flat loop, channel chunks outer and filter taps inner, software-pipelined by Triton):
-every iteration loads an x tile (``BLOCK_M`` output pixels × ``BLOCK_K`` channels of one tap) and a
+every step loads an x tile (``BLOCK_M`` output pixels × ``BLOCK_K`` channels of one tap) and a
 weight tile, transforms the x tile and feeds the tensor cores. Counters replace divisions; the row
-addresses are loop-invariant and an iteration adds one scalar offset.
+addresses are loop-invariant and a step adds one scalar offset. UNROLL 2 (``configs.fprop_unroll``):
+two steps per iteration into two accumulators, summed after the loop; each dot's only use in the loop
+is the next iteration, so Triton leaves both in flight (waits at depth ≥ 1), where one accumulator
+chained through two dots, or one unsplit 16-deep dot per iteration, waits at depth 0.
 
 The transform of 16-bit inputs (:func:`.prologue16._preact16`, the form and its roundings described
 there) runs in packed 16-bit arithmetic, two elements per instruction, on the tile in the MMA operand
@@ -147,6 +150,90 @@ def _quad_cols(t, R: tl.constexpr, N: tl.constexpr):
         return tl.reshape(tl.permute(tl.reshape(t, [R, N // 16, 4, 2, 2]), [0, 1, 3, 2, 4]), [R, N])
 
 
+@triton.jit
+def _tap_operands(x_ptr, x_col, x_tile, row_x, row_max, sxh, sxw, sxc, w_tile, swc, swr, sws, wn_mask,
+                  kk, Cg, c_off, r, s, vbits, vbits2, ih0, iw0, H, W, pack_ptr, g, C,
+                  v_row, ones_r, nm, s16, b16,
+                  S: tl.constexpr, DIL_H: tl.constexpr, DIL_W: tl.constexpr, PADDED: tl.constexpr,
+                  MANY_TAPS: tl.constexpr, X16: tl.constexpr, X32S: tl.constexpr, QUAD: tl.constexpr,
+                  ONE_CK: tl.constexpr, EVEN_C: tl.constexpr, EVEN_N: tl.constexpr, IDX64: tl.constexpr,
+                  PRO16: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One main-loop step's MMA operands: the transformed x tile ``a`` (BLOCK_M × BLOCK_K, DOT_DTYPE)
+    of tap (r, s), channel chunk ``c_off``, and its weight tile ``wt`` (BLOCK_K × BLOCK_N)."""
+    tap = r * S + s
+    c_mask = None if EVEN_C else c_off + kk < Cg
+    tap_off = (r * DIL_H) * sxh + (s * DIL_W) * sxw
+    if PADDED and X16:
+        # A padded tap reads a clamped in-bounds element (no load mask); the transform zeroes it.
+        cs = c_off * sxc
+        if IDX64:
+            x_at = (x_col + cs)[None, :] + tl.minimum(tl.maximum(row_x + tap_off, 0), row_max)[:, None]
+        else:
+            # One unsigned min per row: a negative offset wraps above the bound. Every offset in
+            # [0, row_max + cs] + col_x lies inside the tensor's span, and all of them are < 2**31.
+            off = tl.minimum((row_x + (tap_off + cs)).to(tl.uint32), (row_max + cs).to(tl.uint32))
+            x_at = x_col[None, :] + off[:, None]
+        xt = _load_tile(x_at, None, None if EVEN_C else c_mask[None, :])
+    elif PADDED:
+        if MANY_TAPS:
+            keep = _tap_inside(ih0, iw0, r * DIL_H, s * DIL_W, H, W)
+        else:
+            keep = ((vbits >> tap) & 1) != 0
+        xt = _load_tile(x_tile + (c_off * sxc + tap_off), keep[:, None], None if EVEN_C else c_mask[None, :])
+    else:
+        xt = _load_tile(x_tile + (c_off * sxc + tap_off), None, None if EVEN_C else c_mask[None, :])
+    wt = _load_tile(w_tile + (c_off * swc + r * swr + s * sws), None if EVEN_C else c_mask[:, None],
+                    None if EVEN_N else wn_mask)
+    if X16:
+        if not ONE_CK:
+            nm = _load_row(v_row + c_off, c_mask)
+            s16 = _load_row(v_row + (C + c_off), c_mask)
+            b16 = _load_row(v_row + (2 * C + c_off), c_mask)
+        if PADDED:
+            # the −1 word where the tap is inside the image, 0 (masked off) where padded
+            if MANY_TAPS:
+                k32 = tl.load(ones_r, mask=_tap_inside(ih0, iw0, r * DIL_H, s * DIL_W, H, W), other=0)
+            else:
+                k32 = tl.load(ones_r, mask=(vbits2 & (1 << tap)) != 0, other=0)
+            a = _preact16(xt, nm, s16, b16, k32, True, PRO16 == 2)
+        else:
+            a = _preact16(xt, nm, s16, b16, None, False, PRO16 == 2)
+    else:
+        sc, sh = _vectors32(pack_ptr, g * Cg + c_off + kk, c_mask, C, X32S, QUAD)
+        xt = xt.to(tl.float32)
+        if QUAD:
+            xt = _quad_cols(xt, BLOCK_M, BLOCK_K)
+            sc = _quad_cols(sc, 0, BLOCK_K)
+            sh = _quad_cols(sh, 0, BLOCK_K)
+        z = tl.fma(xt, sc[None, :], sh[None, :])
+        if PADDED:
+            z = tl.where(keep[:, None], z, 0.0)  # a padded tap: 0 (not relu(shift))
+        a = _relu_round(z, DOT_DTYPE, PRO16 == 2)
+    return a.to(DOT_DTYPE), wt.to(DOT_DTYPE)
+
+
+@triton.jit
+def _next_tap(r, s, c_off, R: tl.constexpr, S: tl.constexpr, TAPS_ONLY: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The next main-loop step: the next tap (r, s) of the filter, then the next channel chunk."""
+    if R * S == 1:
+        c_off += BLOCK_K
+    else:
+        s += 1
+        if S > 1:
+            wrap_s = s == S
+            s = tl.where(wrap_s, 0, s)
+            r += wrap_s.to(tl.int32)
+        else:
+            r += s
+            s = 0
+        if not TAPS_ONLY:
+            wrap_r = r == R
+            r = tl.where(wrap_r, 0, r)
+            c_off += tl.where(wrap_r, BLOCK_K, 0)
+    return r, s, c_off
+
+
+
 @triton.jit(do_not_specialize=("M", "H", "W", "P", "Q", "H2", "W2"))
 def _fprop_kernel(
     x_ptr, sxn, sxh, sxw, sxc,
@@ -258,6 +345,11 @@ def _fprop_kernel(
         _write_scaled32(pack2_ptr, 0, C2, C2, down, 256, QUAD)  # pack2 may be pack: one layout
     if X16 or XIN16 or X32S or XIN32S:
         tl.debug_barrier()
+    v_row = pack_ptr
+    ones_r = None
+    nm = None
+    s16 = None
+    b16 = None
     if X16:
         v16, ones = _pack16_ptrs(pack_ptr, C, x_ptr.dtype.element_ty)
         v_row = v16 + g * Cg + kk
@@ -275,73 +367,28 @@ def _fprop_kernel(
     c_off = 0
     r = 0
     s = 0
-    for _ in tl.range(n_iter, loop_unroll_factor=UNROLL):  # UNROLL 2: see configs.fprop_unroll
-        tap = r * S + s
-        c_mask = None if EVEN_C else c_off + kk < Cg
-        tap_off = (r * DIL_H) * sxh + (s * DIL_W) * sxw
-        if PADDED and X16:
-            # A padded tap reads a clamped in-bounds element (no load mask); the transform zeroes it.
-            cs = c_off * sxc
-            if IDX64:
-                x_at = (x_ptr + (col_x + cs))[None, :] + tl.minimum(tl.maximum(row_x + tap_off, 0), row_max)[:, None]
+    # UNROLL 2: two steps per iteration into two accumulators (see the module docstring), the odd
+    # step after the loop
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for _ in range(n_iter // UNROLL):
+        for j in tl.static_range(UNROLL):
+            a, wt = _tap_operands(
+                x_ptr, x_col, x_tile, row_x, row_max, sxh, sxw, sxc, w_tile, swc, swr, sws, wn_mask, kk, Cg, c_off, r, s,
+                vbits, vbits2, ih0, iw0, H, W, pack_ptr, g, C, v_row, ones_r, nm, s16, b16, S, DIL_H, DIL_W, PADDED,
+                MANY_TAPS, X16, X32S, QUAD, ONE_CK, EVEN_C, EVEN_N, IDX64, PRO16, DOT_DTYPE, BLOCK_M, BLOCK_K)
+            if j == 0:
+                acc = tl.dot(a, wt, acc, input_precision=INPUT_PRECISION)
             else:
-                # One unsigned min per row: a negative offset wraps above the bound. Every offset in
-                # [0, row_max + cs] + col_x lies inside the tensor's span, and all of them are < 2**31.
-                off = tl.minimum((row_x + (tap_off + cs)).to(tl.uint32), (row_max + cs).to(tl.uint32))
-                x_at = x_col[None, :] + off[:, None]
-            xt = _load_tile(x_at, None, None if EVEN_C else c_mask[None, :])
-        elif PADDED:
-            if MANY_TAPS:
-                keep = _tap_inside(ih0, iw0, r * DIL_H, s * DIL_W, H, W)
-            else:
-                keep = ((vbits >> tap) & 1) != 0
-            xt = _load_tile(x_tile + (c_off * sxc + tap_off), keep[:, None], None if EVEN_C else c_mask[None, :])
-        else:
-            xt = _load_tile(x_tile + (c_off * sxc + tap_off), None, None if EVEN_C else c_mask[None, :])
-        wt = _load_tile(w_tile + (c_off * swc + r * swr + s * sws), None if EVEN_C else c_mask[:, None],
-                        None if EVEN_N else wn_mask)
-        if X16:
-            if not ONE_CK:
-                nm = _load_row(v_row + c_off, c_mask)
-                s16 = _load_row(v_row + (C + c_off), c_mask)
-                b16 = _load_row(v_row + (2 * C + c_off), c_mask)
-            if PADDED:
-                # the −1 word where the tap is inside the image, 0 (masked off) where padded
-                if MANY_TAPS:
-                    k32 = tl.load(ones_r, mask=_tap_inside(ih0, iw0, r * DIL_H, s * DIL_W, H, W), other=0)
-                else:
-                    k32 = tl.load(ones_r, mask=(vbits2 & (1 << tap)) != 0, other=0)
-                a = _preact16(xt, nm, s16, b16, k32, True, PRO16 == 2)
-            else:
-                a = _preact16(xt, nm, s16, b16, None, False, PRO16 == 2)
-        else:
-            sc, sh = _vectors32(pack_ptr, g * Cg + c_off + kk, c_mask, C, X32S, QUAD)
-            xt = xt.to(tl.float32)
-            if QUAD:
-                xt = _quad_cols(xt, BLOCK_M, BLOCK_K)
-                sc = _quad_cols(sc, 0, BLOCK_K)
-                sh = _quad_cols(sh, 0, BLOCK_K)
-            z = tl.fma(xt, sc[None, :], sh[None, :])
-            if PADDED:
-                z = tl.where(keep[:, None], z, 0.0)  # a padded tap: 0 (not relu(shift))
-            a = _relu_round(z, DOT_DTYPE, PRO16 == 2)
-        acc = tl.dot(a.to(DOT_DTYPE), wt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
-        # next tap, then next channel chunk
-        if RS == 1:
-            c_off += BLOCK_K
-        else:
-            s += 1
-            if S > 1:
-                wrap_s = s == S
-                s = tl.where(wrap_s, 0, s)
-                r += wrap_s.to(tl.int32)
-            else:
-                r += s
-                s = 0
-            if not TAPS_ONLY:
-                wrap_r = r == R
-                r = tl.where(wrap_r, 0, r)
-                c_off += tl.where(wrap_r, BLOCK_K, 0)
+                acc2 = tl.dot(a, wt, acc2, input_precision=INPUT_PRECISION)
+            r, s, c_off = _next_tap(r, s, c_off, R, S, TAPS_ONLY, BLOCK_K)
+    if UNROLL == 2:
+        if n_iter % 2 != 0:
+            a, wt = _tap_operands(
+                x_ptr, x_col, x_tile, row_x, row_max, sxh, sxw, sxc, w_tile, swc, swr, sws, wn_mask, kk, Cg, c_off, r, s,
+                vbits, vbits2, ih0, iw0, H, W, pack_ptr, g, C, v_row, ones_r, nm, s16, b16, S, DIL_H, DIL_W, PADDED,
+                MANY_TAPS, X16, X32S, QUAD, ONE_CK, EVEN_C, EVEN_N, IDX64, PRO16, DOT_DTYPE, BLOCK_M, BLOCK_K)
+            acc = tl.dot(a, wt, acc, input_precision=INPUT_PRECISION)
+        acc += acc2
     if HAS_PROJ:
         # Projection shortcut: 1×1, stride STRIDE2, no padding, on the chain input (groups == 1).
         row2 = nb * sin_n + (p * STRIDE2) * sin_h + (q * STRIDE2) * sin_w
@@ -357,10 +404,10 @@ def _fprop_kernel(
             wt2 = _load_tile(w2_ptr + k_out[None, :] * sw2k + offs_c[:, None] * sw2c,
                              None if EVEN_C else c_mask[:, None], None if EVEN_N else wn_mask)
             if XIN16:
-                nm = _load_row(v16b + offs_c, c_mask)
-                s16 = _load_row(v16b + C2 + offs_c, c_mask)
-                b16 = _load_row(v16b + 2 * C2 + offs_c, c_mask)
-                a2 = _preact16(xt2, nm, s16, b16, None, False, PRO16 == 2)
+                nm2 = _load_row(v16b + offs_c, c_mask)
+                s162 = _load_row(v16b + C2 + offs_c, c_mask)
+                b162 = _load_row(v16b + 2 * C2 + offs_c, c_mask)
+                a2 = _preact16(xt2, nm2, s162, b162, None, False, PRO16 == 2)
             else:
                 sc, sh = _vectors32(pack2_ptr, offs_c, c_mask, C2, XIN32S, QUAD)
                 a2 = _relu_round(tl.fma(xt2.to(tl.float32), sc[None, :], sh[None, :]), DOT_DTYPE, PRO16 == 2)

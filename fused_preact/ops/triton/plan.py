@@ -139,16 +139,12 @@ class TritonPlan:
 
     def tile_args(self, i: int, g: ConvGeom, kind: str = "wgrad") -> dict:
         """The tile rules' arguments (:func:`wgrad_config`, :func:`fprop_config`, ``candidates``) for
-        the ``kind`` kernel of the conv ``g`` reading unit i's input: arch, x32 (fp32 activations under
-        16-bit compute), strided, and for fprop proj (the last unit's epilogue adds the projection) and
-        taps (R·S)."""
-        x32 = i == 0 and self.x_dtype == torch.float32 and self.cdtype != torch.float32
-        args = dict(arch=self.arch, x32=x32, strided=g.stride != (1, 1))
+        the ``kind`` kernel of the conv ``g`` reading unit i's input: arch, and for wgrad x32 (fp32
+        activations under 16-bit compute) and strided."""
         if kind == "fprop":
-            spec = self.spec
-            args["proj"] = i == len(spec.convs) - 1 and spec.proj is not None and spec.proj_out == "add"
-            args["taps"] = g.kernel[0] * g.kernel[1]
-        return args
+            return dict(arch=self.arch)
+        x32 = i == 0 and self.x_dtype == torch.float32 and self.cdtype != torch.float32
+        return dict(arch=self.arch, x32=x32, strided=g.stride != (1, 1))
 
     def unit_candidates(self, u: UnitPlan, i: int, kind: str) -> list[GemmConfig]:
         """The autotune candidates of the ``kind`` kernel (fprop, dgrad, wgrad) of u, unit i: the ones
@@ -170,7 +166,7 @@ class TritonPlan:
         N, C, H, W = self.x_shape
         K, (P, Q) = spec.proj.out_channels, spec.proj.out_hw(H, W)
         self.proj_shape = (N, K, P, Q)
-        self.proj_fcfg = fprop_config(N * P * Q, K, C, self.cdtype, False, **self.tile_args(0, spec.proj))
+        self.proj_fcfg = fprop_config(N * P * Q, K, C, self.cdtype, False, **self.tile_args(0, spec.proj, "fprop"))
         self.proj_wcfg = wgrad_config(K, C, N * P * Q, self.cdtype, **self.tile_args(0, spec.proj))
         tiles = triton.cdiv(K, self.proj_wcfg.BLOCK_M) * triton.cdiv(C, self.proj_wcfg.BLOCK_N)
         self.proj_split = split or wgrad_split(N * P * Q, tiles, self.proj_wcfg.BLOCK_K, self.device)
