@@ -209,15 +209,17 @@ def test_autocast_quads_beside_a_projection_of_the_same_batchnorm(dtype):
 
 
 @pytest.mark.parametrize("dtype", AUTOCAST_DTYPES, ids=str)
-def test_autocast_unrolled_fprop(monkeypatch, dtype):
-    """fprop's loop unrolled into two accumulators (``GemmConfig.unroll``, sm_90's rule for narrow
-    tiles, also on autocast's fp32 input) with quad-ordered 16-channel chunks: a 1×1 of 3 chunks (odd:
-    the step after the loop), a 3×3 of 4 chunks (36 steps) and the one-conv chain with a projection of
-    the same BatchNorm; output and every gradient within the 16-bit tolerance of float64."""
+def test_autocast_unrolled_loops(monkeypatch, dtype):
+    """fprop's and wgrad's loops unrolled into two accumulators (``GemmConfig.unroll``, sm_90's rules,
+    also on autocast's fp32 input) with quad-ordered 16-channel chunks in fprop and pair-ordered rows
+    in wgrad: a 1×1 of 3 chunks (odd: the step after the loop), a 3×3 of 4 chunks (36 steps) and the
+    one-conv chain with a projection of the same BatchNorm; output and every gradient within the
+    16-bit tolerance of float64."""
     import fused_preact.ops.triton.plan as triton_plans
     from fused_preact.ops.triton.configs import GemmConfig
 
     monkeypatch.setattr(triton_plans, "fprop_config", lambda *args, **kwargs: GemmConfig(16, 16, 16, unroll=2))
+    monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: GemmConfig(16, 16, 32, unroll=2))
     for c, k in ((48, 1), (64, 3)):
         torch.manual_seed(c)
         fused = FusedBNReLUConv2d(c, 16, k, padding=k // 2, backend="triton")

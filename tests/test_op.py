@@ -192,6 +192,20 @@ def test_wide_wgrad_tiles_with_split_k(monkeypatch, dtype):
     _run((2, 64, 20, 20, 64, 3, 1, 1, 1, 1), True, True, dtype)
 
 
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], (2, 16, 4, 12, 16, 1, 1, 0, 1, 1),
+                                   (2, 16, 8, 8, 16, 1, 1, 0, 1, 1)], ids=_ids)
+def test_wgrad_unrolled_loop(monkeypatch, shape, split):
+    """wgrad's loop unrolled into two accumulators (GPU tiles of :func:`wgrad_unroll`): two row blocks
+    per iteration, alone and in split-K chunks — a padded 3×3, a strided 1×1 and a 1×1 over 96 rows
+    (whole row blocks) whose last iteration's second block runs past the rows (masked), and a 1×1
+    over 128 rows (whole iterations, no row mask)."""
+    monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: GemmConfig(16, 16, 32, unroll=2))
+    monkeypatch.setattr(triton_plans, "wgrad_split", lambda m_total, tiles, block_k, device: split)
+    monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
+    _run(shape, True, True, torch.float16)
+
+
 @pytest.mark.parametrize("split", [2, 3])
 def test_wgrad_split_k(monkeypatch, split):
     """The deterministic split-K path of the wgrad kernel (used on GPUs for long reductions)."""

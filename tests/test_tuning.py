@@ -136,8 +136,10 @@ def test_wgrad_rows_follow_the_arch(monkeypatch):
     assert wgrad_config(16, 64, 10**6, torch.bfloat16, arch=90).BLOCK_K == 256
     assert wgrad_config(32, 64, 10**6, torch.bfloat16, arch=90).BLOCK_K == 256
     assert wgrad_config(32, 64, 10**6, torch.float16, arch=90).BLOCK_K == 128  # spills with an fp32 dW
-    for kw in (dict(arch=80), dict(arch=0), dict(arch=90, x32=True), dict(arch=90, strided=True)):
+    for kw in (dict(arch=80), dict(arch=0), dict(arch=90, strided=True)):
         assert wgrad_config(64, 64, 10**6, torch.bfloat16, **kw) == GemmConfig(64, 64, 128, 4, 3), kw
+    # fp32 activations: 128 rows, unrolled (wgrad_unroll)
+    assert wgrad_config(64, 64, 10**6, torch.bfloat16, arch=90, x32=True) == GemmConfig(64, 64, 128, 4, 2, unroll=2)
     assert wgrad_config(128, 64, 10**6, torch.bfloat16, arch=90).BLOCK_K == 64
     assert wgrad_config(64, 64, 10**6, torch.float32, arch=90).BLOCK_K == 32
     assert wide in candidates("wgrad", 64, 64, 10**6, torch.bfloat16, arch=90)
@@ -181,6 +183,31 @@ def test_fprop_unrolls_where_the_arch_allows(monkeypatch):
         assert any(c.unroll == 2 for c in cands)
         assert all((c.unroll == 2) == (c.BLOCK_M * c.BLOCK_N <= 64 * 64 or c.BLOCK_K == 16) for c in cands)
         assert all(c.unroll == 1 for c in candidates("fprop", 10**6, kg, cg, torch.bfloat16, arch=80))
+
+
+def test_wgrad_unrolls_where_the_arch_allows(monkeypatch):
+    """wgrad's loop runs two row blocks per iteration (two accumulators) only on sm_90, in 16-bit
+    compute, with one output-channel piece, at most 128 rows per block, and at most 32 output channels
+    or fp32 activations (x32); candidates alike."""
+    from fused_preact.ops.triton import configs
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    wgrad_config = configs.wgrad_config
+    big = 10**6
+    assert wgrad_config(32, 64, big, torch.float16, arch=90).unroll == 2  # 32×64×128
+    assert wgrad_config(32, 64, big, torch.bfloat16, arch=90, strided=True).unroll == 2
+    assert wgrad_config(64, 64, big, torch.bfloat16, arch=90, x32=True).unroll == 2  # 64×64×128, fp32 x
+    assert wgrad_config(64, 64, big, torch.bfloat16, arch=90, strided=True).unroll == 1  # 64 channels, 16-bit x
+    assert wgrad_config(64, 64, big, torch.bfloat16, arch=90).unroll == 1  # 256-row blocks
+    assert wgrad_config(128, 64, big, torch.bfloat16, arch=90, x32=True).unroll == 1  # two output pieces
+    for kw in (dict(arch=80, x32=True), dict(arch=0, x32=True)):
+        assert wgrad_config(32, 64, big, torch.float16, **kw).unroll == 1, kw
+    assert wgrad_config(32, 64, big, torch.float32, arch=90).unroll == 1
+    cfg = wgrad_config(32, 64, big, torch.float16, arch=90)
+    assert (cfg.BLOCK_K, cfg.num_stages) == (128, 2)  # one stage less
+    cands = candidates("wgrad", 32, 64, big, torch.float16, arch=90)
+    assert any(c.unroll == 2 for c in cands)
+    assert all(c.unroll == 1 for c in candidates("wgrad", 32, 64, big, torch.float16, arch=80))
 
 
 def test_dgrad_takes_a_filter_row_per_step_for_narrow_outputs(monkeypatch):

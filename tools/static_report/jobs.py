@@ -165,7 +165,7 @@ def _label(rec) -> str:
                 + (f" t{k['SLOTS']}" if k.get("SLOTS", 1) != 1 else ""))
     if "BLOCK_R" in k:
         return (f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_R']} w{k.get('num_warps', 4)} s{k.get('num_stages', 3)}"
-                + (" splitK" if k.get("SPLIT_K") else ""))
+                + (f" u{k['UNROLL']}" if k.get("UNROLL", 1) != 1 else "") + (" splitK" if k.get("SPLIT_K") else ""))
     return " ".join(f"{n}{v}" for n, v in sorted(k.items()) if n.startswith("BLOCK")) + f" w{k.get('num_warps', 4)}"
 
 
@@ -275,12 +275,14 @@ def _reads_fp32(rec) -> bool:
 
 
 def _gpu_split(plan, sms: int) -> int:
-    """The largest wgrad K-split a GPU with ``sms`` SMs picks for a unit of ``plan`` (see
+    """The largest wgrad K-split a GPU with ``sms`` SMs picks for a unit of ``plan`` (``split_for``, as
     ``wgrad_split`` in the Triton backend's configs)."""
+    from fused_preact.ops.triton.configs import split_for
+
     best = 1
     for u in plan.units:
         g = u.geom
         Cg, Kg = u.in_shape[1] // g.groups, u.out_shape[1] // g.groups
         tiles = math.ceil(Kg / u.wcfg.BLOCK_M) * math.ceil(Cg / u.wcfg.BLOCK_N) * g.kernel[0] * g.kernel[1] * g.groups
-        best = max(best, min(64, 2 * sms // max(tiles, 1), u.M_out // (8 * u.wcfg.BLOCK_K)))
+        best = max(best, split_for(u.M_out, tiles, u.wcfg.BLOCK_K * u.wcfg.unroll, sms))
     return best

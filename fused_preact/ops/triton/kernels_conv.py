@@ -382,7 +382,7 @@ def _wgrad_tile(
     DIL_H: tl.constexpr, DIL_W: tl.constexpr, SPLIT_K: tl.constexpr, LINEAR: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, PRO16: tl.constexpr,
-    PTX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    PTX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """One (k-block, c-block, tap, group, split) tile of ``dW[k, c, r, s] = Σ_m dy[m, k] ·
     relu(x[pix(m,r,s), c]·scale[c] + shift[c])`` over rows ``[split·CHUNK, (split+1)·CHUNK)``: stored in
@@ -404,11 +404,15 @@ def _wgrad_tile(
     a constant per row block and the padding test is two fixed-point range tests (``CQ``/``CPQ``, see
     :func:`_frac_range`) making one predicate per row (:func:`_both_below`, in inline PTX with PTX);
     otherwise (n, p, q) come from multiply-shift divisions (``Q_MUL``/``Q_SHR`` by Q, ``PQ_MUL``/``PQ_SHR``
-    by P·Q). EVEN_M: every row block is full (no row mask without padding);
-    EVEN_K/EVEN_C: the channel blocks tile Kg/Cg exactly (no channel masks)."""
+    by P·Q). EVEN_M: every row block is full (no row mask without padding; with UNROLL, every pair of
+    row blocks); EVEN_K/EVEN_C: the channel blocks tile Kg/Cg exactly (no channel masks). UNROLL 2
+    (one output-channel piece, ``configs.wgrad_unroll``): two row blocks per iteration, the second into
+    the free second piece's accumulator, summed after the loop, so Triton leaves both dots in flight
+    (one accumulator chained through both would wait at depth 0)."""
     KP: tl.constexpr = BLOCK_N if BLOCK_N < BLOCK_M else BLOCK_M
     NKP: tl.constexpr = BLOCK_M // KP
     tl.static_assert(NKP <= 4, "wgrad tiles: BLOCK_M may be at most 4·BLOCK_N (four accumulator pieces)")
+    tl.static_assert(UNROLL == 1 or NKP == 1, "wgrad unrolled: one output-channel piece (its second accumulator)")
     Cg = C // GROUPS
     Kg = K // GROUPS
     NKB = tl.cdiv(Kg, BLOCK_M)
@@ -475,64 +479,72 @@ def _wgrad_tile(
         acc1 = tl.zeros([BLOCK_N, KP], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_N, KP], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_N, KP], dtype=tl.float32)
-        for m0 in range(start, end, BLOCK_R):
-            offs_m = m0 + lanes
-            valid = offs_m < end
-            if LINEAR:
-                it = (m0 - start).to(tl.uint32, bitcast=True)
-                if PADDED:
-                    inside = _both_below(lp + it * c_p, span_p, lq + it * c_q, span_q, PTX)
-                    valid = inside if EVEN_M else valid & inside
-                rel = m0 - start
-                if IDX64:
-                    rel = rel.to(tl.int64)
-                if STRIDE_H > 1:
-                    q = tl.umulhi(lu * cq + it * cq, Q.to(tl.uint32)).to(tl.int32, bitcast=True)
-                    xp = x_first + rel * (STRIDE_H * STRIDE_W * sxw) + (x_inv - (q * (STRIDE_W * (STRIDE_H - 1) * sxw))[None, :])
+        for m00 in range(start, end, UNROLL * BLOCK_R):
+            for j in tl.static_range(UNROLL):
+                m0 = m00 + j * BLOCK_R
+                offs_m = m0 + lanes
+                valid = offs_m < end
+                if LINEAR:
+                    it = (m0 - start).to(tl.uint32, bitcast=True)
+                    if PADDED:
+                        inside = _both_below(lp + it * c_p, span_p, lq + it * c_q, span_q, PTX)
+                        valid = inside if EVEN_M else valid & inside
+                    rel = m0 - start
+                    if IDX64:
+                        rel = rel.to(tl.int64)
+                    if STRIDE_H > 1:
+                        q = tl.umulhi(lu * cq + it * cq, Q.to(tl.uint32)).to(tl.int32, bitcast=True)
+                        back = q * (STRIDE_W * (STRIDE_H - 1) * sxw)
+                        xp = x_first + rel * (STRIDE_H * STRIDE_W * sxw) + (x_inv - back[None, :])
+                    else:
+                        xp = x_first + rel * (STRIDE_H * STRIDE_W * sxw) + x_inv
+                    dy_rows = dy_first + rel * sdw
+                    dy_off = (lanes * sdw)[:, None]
                 else:
-                    xp = x_first + rel * (STRIDE_H * STRIDE_W * sxw) + x_inv
-                dy_rows = dy_first + rel * sdw
-                dy_off = (lanes * sdw)[:, None]
-            else:
-                nb = _udiv(offs_m, pqmul, pqshr)
-                idx = offs_m - nb * (P * Q)
-                p = _udiv(idx, qmul, qshr)
-                q = idx - p * Q
-                if IDX64:
-                    nb = nb.to(tl.int64)
-                ih = p * STRIDE_H + dh
-                iw = q * STRIDE_W + dw_
-                if PADDED:
-                    valid &= _both_below(ih.to(tl.uint32, bitcast=True), H, iw.to(tl.uint32, bitcast=True), W, PTX)
-                xp = x_base + (nb * sxn + ih * sxh + iw * sxw)[None, :]
-                dy_rows = dy_ptr
-                dy_off = (nb * sdn + p * sdh + q * sdw)[:, None]
-            if USE_ROWS:
-                if EVEN_C:
-                    xt = tl.load(xp, mask=valid[None, :], other=0.0)
+                    nb = _udiv(offs_m, pqmul, pqshr)
+                    idx = offs_m - nb * (P * Q)
+                    p = _udiv(idx, qmul, qshr)
+                    q = idx - p * Q
+                    if IDX64:
+                        nb = nb.to(tl.int64)
+                    ih = p * STRIDE_H + dh
+                    iw = q * STRIDE_W + dw_
+                    if PADDED:
+                        valid &= _both_below(ih.to(tl.uint32, bitcast=True), H, iw.to(tl.uint32, bitcast=True), W, PTX)
+                    xp = x_base + (nb * sxn + ih * sxh + iw * sxw)[None, :]
+                    dy_rows = dy_ptr
+                    dy_off = (nb * sdn + p * sdh + q * sdw)[:, None]
+                if USE_ROWS:
+                    if EVEN_C:
+                        xt = tl.load(xp, mask=valid[None, :], other=0.0)
+                    else:
+                        xt = tl.load(xp, mask=c_mask[:, None] & valid[None, :], other=0.0)
                 else:
-                    xt = tl.load(xp, mask=c_mask[:, None] & valid[None, :], other=0.0)
-            else:
-                if EVEN_C:
-                    xt = tl.load(xp)
+                    if EVEN_C:
+                        xt = tl.load(xp)
+                    else:
+                        xt = tl.load(xp, mask=c_mask[:, None], other=0.0)
+                if PAIRS:
+                    xt = _pair_rows(xt, BLOCK_N, BLOCK_R)
+                if X16:
+                    at = _preact16_t(xt, nm16, s16, b16, PRO16 == 2).to(DOT_DTYPE)
                 else:
-                    xt = tl.load(xp, mask=c_mask[:, None], other=0.0)
-            if PAIRS:
-                xt = _pair_rows(xt, BLOCK_N, BLOCK_R)
-            if X16:
-                at = _preact16_t(xt, nm16, s16, b16, PRO16 == 2).to(DOT_DTYPE)
-            else:
-                at = _preact_t(xt, sc, sh, DOT_DTYPE, PRO16 == 2)
-            dyt = _dy_piece(dy_rows, dy_off, kb, 0, Kg, g, sdc, valid, USE_ROWS, EVEN_K, KP, BLOCK_M)
-            acc0 = tl.dot(at, dyt.to(DOT_DTYPE), acc0, input_precision=INPUT_PRECISION)
-            if NKP > 1:
-                dyt = _dy_piece(dy_rows, dy_off, kb, 1, Kg, g, sdc, valid, USE_ROWS, EVEN_K, KP, BLOCK_M)
-                acc1 = tl.dot(at, dyt.to(DOT_DTYPE), acc1, input_precision=INPUT_PRECISION)
-            if NKP > 2:
-                dyt = _dy_piece(dy_rows, dy_off, kb, 2, Kg, g, sdc, valid, USE_ROWS, EVEN_K, KP, BLOCK_M)
-                acc2 = tl.dot(at, dyt.to(DOT_DTYPE), acc2, input_precision=INPUT_PRECISION)
-                dyt = _dy_piece(dy_rows, dy_off, kb, 3, Kg, g, sdc, valid, USE_ROWS, EVEN_K, KP, BLOCK_M)
-                acc3 = tl.dot(at, dyt.to(DOT_DTYPE), acc3, input_precision=INPUT_PRECISION)
+                    at = _preact_t(xt, sc, sh, DOT_DTYPE, PRO16 == 2)
+                dyt = _dy_piece(dy_rows, dy_off, kb, 0, Kg, g, sdc, valid, USE_ROWS, EVEN_K, KP, BLOCK_M)
+                if j == 0:
+                    acc0 = tl.dot(at, dyt.to(DOT_DTYPE), acc0, input_precision=INPUT_PRECISION)
+                else:  # UNROLL 2 (one output-channel piece): the second row block into acc1
+                    acc1 = tl.dot(at, dyt.to(DOT_DTYPE), acc1, input_precision=INPUT_PRECISION)
+                if NKP > 1:
+                    dyt = _dy_piece(dy_rows, dy_off, kb, 1, Kg, g, sdc, valid, USE_ROWS, EVEN_K, KP, BLOCK_M)
+                    acc1 = tl.dot(at, dyt.to(DOT_DTYPE), acc1, input_precision=INPUT_PRECISION)
+                if NKP > 2:
+                    dyt = _dy_piece(dy_rows, dy_off, kb, 2, Kg, g, sdc, valid, USE_ROWS, EVEN_K, KP, BLOCK_M)
+                    acc2 = tl.dot(at, dyt.to(DOT_DTYPE), acc2, input_precision=INPUT_PRECISION)
+                    dyt = _dy_piece(dy_rows, dy_off, kb, 3, Kg, g, sdc, valid, USE_ROWS, EVEN_K, KP, BLOCK_M)
+                    acc3 = tl.dot(at, dyt.to(DOT_DTYPE), acc3, input_precision=INPUT_PRECISION)
+        if UNROLL == 2:
+            acc0 += acc1
         if SCALED:  # 2^e per input channel (a row of dWᵀ): exact; e again (not held through the loop)
             mean = _load_row(pack_ptr + c_in, c_mask)
             up = _pow2(_channel_exponent(mean, sc, sh, x_ptr.dtype.element_ty))[:, None]
@@ -577,7 +589,7 @@ def _wgrad_kernel(
     SUM_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, PRO16: tl.constexpr,
     PTX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    BLOCK_P: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """Two roles in one launch (1-D grid), each needing only what the dgrad launch before it wrote.
 
@@ -594,7 +606,7 @@ def _wgrad_kernel(
         _wgrad_tile(dy_ptr, sdn, sdh, sdw, sdc, x_ptr, sxn, sxh, sxw, sxc, pack_ptr, dw_ptr, swk, swc, swr, sws,
                     pid, M, CHUNK, H, W, C, P, Q, K, Q_MUL, Q_SHR, PQ_MUL, PQ_SHR, CQ, CPQ, GROUPS, R, S,
                     STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SPLIT_K, LINEAR, EVEN_M, EVEN_K, EVEN_C,
-                    DOT_DTYPE, INPUT_PRECISION, IDX64, PRO16, PTX, BLOCK_M, BLOCK_N, BLOCK_R)
+                    DOT_DTYPE, INPUT_PRECISION, IDX64, PRO16, PTX, BLOCK_M, BLOCK_N, BLOCK_R, UNROLL)
     elif SUM_MODE != 0:
         cols = (pid - NUM_WGRAD) * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cols < C

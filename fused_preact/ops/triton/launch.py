@@ -248,7 +248,8 @@ def wgrad(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmConfig, s
     n_red = triton.cdiv(C, block_c) if sum_mode else 0
     if not n_wg + n_red:
         return
-    chunk = triton.cdiv(triton.cdiv(M, split), cfg.BLOCK_K) * cfg.BLOCK_K
+    step = cfg.BLOCK_K * cfg.unroll  # rows per main-loop iteration
+    chunk = triton.cdiv(triton.cdiv(M, split), step) * step
     grid = (n_wg + n_red,)
     # Without dw no program runs the wgrad tiles, but they are compiled: their store needs a pointer type
     # (a None dw_ptr fails to compile for a GPU; the interpreter never reaches it). psum is fp32, as the
@@ -259,12 +260,12 @@ def wgrad(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmConfig, s
     pq_mul, pq_shr = magic(P * Q)
     kw = dict(**_geo(g, in_shape, out_shape), Q_MUL=q_mul, Q_SHR=q_shr, PQ_MUL=pq_mul, PQ_SHR=pq_shr,
               CQ=frac(Q), CPQ=frac(P * Q), SPLIT_K=split > 1,
-              LINEAR=_linear(g, in_shape, out_shape, in_strides, dy_strides, M + cfg.BLOCK_K),
-              EVEN_M=M % cfg.BLOCK_K == 0, EVEN_K=K // g.groups % cfg.BLOCK_M == 0,
+              LINEAR=_linear(g, in_shape, out_shape, in_strides, dy_strides, M + step),
+              EVEN_M=M % step == 0, EVEN_K=K // g.groups % cfg.BLOCK_M == 0,
               EVEN_C=C // g.groups % cfg.BLOCK_N == 0, SUM_MODE=sum_mode, HAS_GAMMA=dgamma is not None,
               **_dot(cdtype, idx64), PRO16=_pro16(cdtype), PTX=not interpreting(), BLOCK_M=cfg.BLOCK_M,
               BLOCK_N=cfg.BLOCK_N, BLOCK_R=cfg.BLOCK_K,
-              BLOCK_C=block_c if fold else 16, BLOCK_P=_block_p(num_parts) if fold else 16,
+              BLOCK_C=block_c if fold else 16, BLOCK_P=_block_p(num_parts) if fold else 16, UNROLL=cfg.unroll,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if _recorder is not None:
         _record("wgrad" if fold else "wgrad_proj", CK._wgrad_kernel, grid, args, kw)

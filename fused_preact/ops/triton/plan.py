@@ -130,7 +130,8 @@ class TritonPlan:
                             stats_out)
             if tune and overrides is None and _tunes_on(device):
                 _tune_unit(self, unit, i)
-            unit.split = split or wgrad_split(unit.M_out, unit.wgrad_tiles(), unit.wcfg.BLOCK_K, device)
+            unit.split = split or wgrad_split(unit.M_out, unit.wgrad_tiles(),
+                                              unit.wcfg.BLOCK_K * unit.wcfg.unroll, device)
             self.units.append(unit)
         self._plan_proj(split)
         self._plan_buffers()
@@ -169,7 +170,8 @@ class TritonPlan:
         self.proj_fcfg = fprop_config(N * P * Q, K, C, self.cdtype, False, **self.tile_args(0, spec.proj, "fprop"))
         self.proj_wcfg = wgrad_config(K, C, N * P * Q, self.cdtype, **self.tile_args(0, spec.proj))
         tiles = triton.cdiv(K, self.proj_wcfg.BLOCK_M) * triton.cdiv(C, self.proj_wcfg.BLOCK_N)
-        self.proj_split = split or wgrad_split(N * P * Q, tiles, self.proj_wcfg.BLOCK_K, self.device)
+        self.proj_split = split or wgrad_split(N * P * Q, tiles,
+                                               self.proj_wcfg.BLOCK_K * self.proj_wcfg.unroll, self.device)
         # The projection as a unit of its own (its fprop when the chain returns it separately).
         u0 = self.units[0]
         self.proj_unit = UnitPlan(spec.proj, self.x_shape, self.proj_shape, u0.in_strides,
