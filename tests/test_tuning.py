@@ -162,19 +162,19 @@ def test_wgrad_rows_follow_the_arch(monkeypatch):
 
 
 def test_fprop_unrolls_where_the_arch_allows(monkeypatch):
-    """fprop's main loop runs unrolled twice (two accumulators) only on sm_90, in 16-bit compute, for
-    output tiles of at most 64×64 or 16-deep steps (a second 128×64 or 64×128 accumulator spills);
-    candidates alike."""
+    """fprop's main loop runs unrolled twice (two accumulators) in 16-bit compute on sm_90 for output
+    tiles of at most 64×64 or 16-deep steps (a second 128×64 or 64×128 accumulator spills), on sm_80
+    for output tiles at most 32 channels wide; candidates alike."""
     from fused_preact.ops.triton import configs
 
     monkeypatch.setattr(configs, "interpreting", lambda: False)
     fprop_config = configs.fprop_config
     # (Kg, Cg) → tiles: (256, 64) 64×128×64; (64, 64) 128×64×64; (16, 64) 128×16×64; (32, 32) 128×32×32;
     # (64, 16) 128×64×16 (16-deep steps)
-    for kg, cg, unroll in ((256, 64, 1), (64, 64, 1), (16, 64, 2), (32, 32, 2), (64, 16, 2)):
+    for kg, cg, unroll, unroll80 in ((256, 64, 1, 1), (64, 64, 1, 1), (16, 64, 2, 2), (32, 32, 2, 2), (64, 16, 2, 1)):
         for dtype in (torch.bfloat16, torch.float16):
             assert fprop_config(10**6, kg, cg, dtype, True, arch=90).unroll == unroll, (kg, cg, dtype)
-        assert fprop_config(10**6, kg, cg, torch.bfloat16, True, arch=80).unroll == 1
+            assert fprop_config(10**6, kg, cg, dtype, True, arch=80).unroll == unroll80, (kg, cg, dtype)
         assert fprop_config(10**6, kg, cg, torch.bfloat16, True, arch=0).unroll == 1
         assert fprop_config(10**6, kg, cg, torch.float32, True, arch=90).unroll == 1
     assert fprop_config(10**6, 64, 16, torch.bfloat16, True, arch=90).num_stages == 3  # one stage less
@@ -182,7 +182,7 @@ def test_fprop_unrolls_where_the_arch_allows(monkeypatch):
         cands = candidates("fprop", 10**6, kg, cg, torch.bfloat16, arch=90)
         assert any(c.unroll == 2 for c in cands)
         assert all((c.unroll == 2) == (c.BLOCK_M * c.BLOCK_N <= 64 * 64 or c.BLOCK_K == 16) for c in cands)
-        assert all(c.unroll == 1 for c in candidates("fprop", 10**6, kg, cg, torch.bfloat16, arch=80))
+        assert all((c.unroll == 2) == (c.BLOCK_N <= 32) for c in candidates("fprop", 10**6, kg, cg, torch.bfloat16, arch=80))
 
 
 def test_wgrad_unrolls_where_the_arch_allows(monkeypatch):

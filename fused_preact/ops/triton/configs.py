@@ -53,8 +53,11 @@ class GemmConfig:
 
 def fprop_unroll(cfg: GemmConfig, dtype: torch.dtype, arch: int) -> GemmConfig:
     """``cfg`` with fprop's main loop unrolled twice, into two accumulators (``kernels_fprop``'s UNROLL),
-    where that keeps the wgmma pipeline and compiles without spills: sm_90 (``arch`` ≥ 90), 16-bit
-    compute, and an output tile of at most 64×64 or 16-deep reduction steps. A loop around one
+    where that keeps the wgmma pipeline and compiles without spills: 16-bit compute, and on sm_90
+    (``arch`` ≥ 90) an output tile of at most 64×64 or 16-deep reduction steps, on sm_80 an output
+    tile at most 32 channels wide (a 64×64×64 tile spills at sm_80's 168-register cap; static issue
+    ratio, PreActResNet-164's 3×3 16→16 3.25 → 2.61, 3×3 32→32 1.27 → 1.06, 1×1 64→16 1.07 → 0.93,
+    fewer fixed costs per step, no wgmma there). A loop around one
     register-sourced dot that Triton cannot split (a 16-deep step) waits for it at depth 0 every
     iteration; two dots into two accumulators leave each other in flight (one accumulator chained
     through both makes the first wait at depth 0), and their register operands take different
@@ -63,9 +66,13 @@ def fprop_unroll(cfg: GemmConfig, dtype: torch.dtype, arch: int) -> GemmConfig:
     A second 128×64 or 64×128 accumulator spills beside a 3×3's operands and the epilogues' (and those
     loops already meet the limits rolled). One pipeline stage less: a stage holds two steps' operands,
     so the prefetch distance in steps stays and shared memory grows by a third, not twice."""
-    if interpreting() or dtype == torch.float32 or arch < 90:
+    if interpreting() or dtype == torch.float32 or arch < 80:
         return cfg
-    if cfg.BLOCK_M * cfg.BLOCK_N <= 64 * 64 or cfg.BLOCK_K == 16:
+    if arch >= 90:
+        fits = cfg.BLOCK_M * cfg.BLOCK_N <= 64 * 64 or cfg.BLOCK_K == 16
+    else:
+        fits = cfg.BLOCK_N <= 32
+    if fits:
         return dataclasses.replace(cfg, unroll=2, num_stages=max(2, cfg.num_stages - 1))
     return cfg
 
