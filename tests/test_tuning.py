@@ -186,9 +186,9 @@ def test_fprop_unrolls_where_the_arch_allows(monkeypatch):
 
 
 def test_wgrad_unrolls_where_the_arch_allows(monkeypatch):
-    """wgrad's loop runs two row blocks per iteration (two accumulators) only on sm_90, in 16-bit
-    compute, with one output-channel piece, at most 128 rows per block, and at most 32 output channels
-    or fp32 activations (x32); candidates alike."""
+    """wgrad's loop runs two row blocks per iteration (two accumulators) only on sm_80 and later, in
+    16-bit compute, with one output-channel piece, at most 128 rows per block, and at most 32 output
+    channels or fp32 activations (x32), on sm_80 not fp16's 32-channel tiles; candidates alike."""
     from fused_preact.ops.triton import configs
 
     monkeypatch.setattr(configs, "interpreting", lambda: False)
@@ -200,14 +200,21 @@ def test_wgrad_unrolls_where_the_arch_allows(monkeypatch):
     assert wgrad_config(64, 64, big, torch.bfloat16, arch=90, strided=True).unroll == 1  # 64 channels, 16-bit x
     assert wgrad_config(64, 64, big, torch.bfloat16, arch=90).unroll == 1  # 256-row blocks
     assert wgrad_config(128, 64, big, torch.bfloat16, arch=90, x32=True).unroll == 1  # two output pieces
-    for kw in (dict(arch=80, x32=True), dict(arch=0, x32=True)):
-        assert wgrad_config(32, 64, big, torch.float16, **kw).unroll == 1, kw
+    assert wgrad_config(32, 64, big, torch.float16, arch=0, x32=True).unroll == 1
     assert wgrad_config(32, 64, big, torch.float32, arch=90).unroll == 1
+    # sm_80: 16 channels, bf16's 32, fp32 activations; not fp16's 32 (spills)
+    assert wgrad_config(16, 64, big, torch.float16, arch=80).unroll == 2
+    assert wgrad_config(32, 64, big, torch.bfloat16, arch=80).unroll == 2
+    assert wgrad_config(32, 64, big, torch.float16, arch=80, x32=True).unroll == 2
+    assert wgrad_config(64, 64, big, torch.bfloat16, arch=80, x32=True).unroll == 2
+    assert wgrad_config(32, 64, big, torch.float16, arch=80).unroll == 1
+    assert wgrad_config(64, 64, big, torch.bfloat16, arch=80).unroll == 1
     cfg = wgrad_config(32, 64, big, torch.float16, arch=90)
     assert (cfg.BLOCK_K, cfg.num_stages) == (128, 2)  # one stage less
     cands = candidates("wgrad", 32, 64, big, torch.float16, arch=90)
     assert any(c.unroll == 2 for c in cands)
     assert all(c.unroll == 1 for c in candidates("wgrad", 32, 64, big, torch.float16, arch=80))
+    assert any(c.unroll == 2 for c in candidates("wgrad", 32, 64, big, torch.bfloat16, arch=80))
 
 
 def test_dgrad_takes_a_filter_row_per_step_for_narrow_outputs(monkeypatch):

@@ -186,17 +186,21 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x3
 
 def wgrad_unroll(cfg: GemmConfig, dtype: torch.dtype, arch: int, x32: bool) -> GemmConfig:
     """``cfg`` with wgrad's main loop unrolled twice, two row blocks per iteration into two accumulators
-    (``kernels_conv._wgrad_tile``'s UNROLL), where that compiles without spills and pays: sm_90
-    (``arch`` ≥ 90), 16-bit compute, one output-channel piece (BLOCK_M ≤ BLOCK_N: the second
+    (``kernels_conv._wgrad_tile``'s UNROLL), where that compiles without spills and pays: sm_80 or
+    later (``arch`` ≥ 80), 16-bit compute, one output-channel piece (BLOCK_M ≤ BLOCK_N: the second
     accumulator is the free second piece's), row blocks of at most 128 (256-row tiles already amortize
     the loop's fixed costs, and two of them overflow shared memory), and at most 32 output channels or
-    fp32 activations (``x32``; a 64-channel tile of 16-bit activations spills in a strided 3×3). Both
-    dots stay in flight (wgmma waits at depth 3, was 1) and the per-iteration costs halve: static, sm_90,
+    fp32 activations (``x32``; a 64-channel tile of 16-bit activations spills in a strided 3×3) — on
+    sm_80 not fp16's 32-channel tiles (a 3×3's spill at its 168-register cap). On sm_90 both dots stay
+    in flight (wgmma waits at depth 3, was 1); on both the per-iteration costs halve: static, sm_90,
     PreActResNet-164's 32-channel 1×1 (fp16) 1.45 → 1.33, 3×3 stride 2 2.55 → 2.40, x32 1×1
-    1.17 → 1.09, its 16-channel x32 1×1 4.47 → 3.91. One pipeline stage less, as :func:`fprop_unroll`."""
-    if interpreting() or dtype == torch.float32 or arch < 90 or cfg.BLOCK_M > cfg.BLOCK_N or cfg.BLOCK_K > 128:
+    1.17 → 1.09, its 16-channel x32 1×1 4.47 → 3.91; sm_80, its 16-channel 1×1 1.29 → 1.12, 32-channel
+    x32 1×1 1.51 → 0.98, 3×3 stride 2 (bf16) 1.45 → 1.17. One pipeline stage less, as :func:`fprop_unroll`."""
+    if interpreting() or dtype == torch.float32 or arch < 80 or cfg.BLOCK_M > cfg.BLOCK_N or cfg.BLOCK_K > 128:
         return cfg
     if cfg.BLOCK_M > 32 and not x32:
+        return cfg
+    if arch < 90 and cfg.BLOCK_M > 16 and dtype == torch.float16 and not x32:
         return cfg
     return dataclasses.replace(cfg, unroll=2, num_stages=max(2, cfg.num_stages - 1))
 
