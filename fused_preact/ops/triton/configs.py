@@ -279,7 +279,9 @@ def wgrad_split(M: int, tiles: int, block_r: int, device: torch.device) -> int:
 
 
 def split_for(M: int, tiles: int, block_r: int, sms: int) -> int:
-    """:func:`wgrad_split` on a GPU of ``sms`` SMs (also the static report's model of one)."""
+    """:func:`wgrad_split` on a GPU of ``sms`` SMs (also the static report's model of one): the number
+    of K-splits in [1, 64] of a reduction over ``M`` rows with ``tiles`` output tiles and ``block_r``
+    rows per main-loop iteration — about two programs per SM, each running at least 8 iterations."""
     return max(1, min(64, 2 * sms // max(tiles, 1), M // (8 * block_r)))
 
 
