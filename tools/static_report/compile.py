@@ -46,6 +46,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from tools.static_report.jobs import StaticJob
 from tools.static_report.sass import cubin_metrics, demangle, short_name
+from tools.static_report.utilization import mma_utilization
 
 __all__ = ["specialize", "triton_entries", "csrc_entries", "import_attr", "PARSER_VERSION"]
 
@@ -229,7 +230,9 @@ def triton_entries(jobs: Sequence[StaticJob], archs: Sequence[int], processes: i
     metrics from ``cache_dir``), and return (entries, counts). An entry (``kind`` as given) is one
     distinct compilation, labelled by its first job, with ``shapes`` listing every job's shape and
     ``roles`` every job's non-empty :attr:`StaticJob.role` (sorted: a config can be the default and a
-    candidate at once)."""
+    candidate at once); a convolution's entry also has ``mma_util``, per shape the smallest
+    :func:`~tools.static_report.utilization.mma_utilization` of its launches there, and
+    ``default_shapes``, the shapes where it runs untuned (a default or a role-less job)."""
     groups: dict[str, dict] = {}
     for job in jobs:
         for arch in archs:
@@ -245,8 +248,14 @@ def triton_entries(jobs: Sequence[StaticJob], archs: Sequence[int], processes: i
                 names = [p.name for p in job.fn.params]
                 sig, const = _describe_spec(spec, names)
                 g = groups[spec.key] = {"job": job, "arch": arch, "spec": spec, "shapes": [], "signature": sig,
-                                        "constexprs": const, "jobs": 0, "roles": set()}
+                                        "constexprs": const, "jobs": 0, "roles": set(), "util": {},
+                                        "default_shapes": set()}
             g["jobs"] += 1
+            u = mma_utilization(job.kernel, job.kwargs)
+            if u is not None:
+                g["util"][job.shape] = min(g["util"].get(job.shape, 1.0), round(u, 3))
+                if job.role in ("default", ""):
+                    g["default_shapes"].add(job.shape)
             if job.role:
                 g["roles"].add(job.role)
             if job.shape and job.shape not in g["shapes"]:
@@ -287,7 +296,9 @@ def triton_entries(jobs: Sequence[StaticJob], archs: Sequence[int], processes: i
                         **{k: v for k, v in m.items() if k != "arch"},
                         "shapes": g["shapes"], "roles": sorted(g["roles"]), "launches": g["jobs"],
                         "signature": g["signature"],
-                        "constexprs": g["constexprs"], "key": key[:16]})
+                        "constexprs": g["constexprs"], "key": key[:16],
+                        **({"mma_util": g["util"], "default_shapes": sorted(g["default_shapes"])}
+                           if g["util"] else {})})
     return entries, {"launches": sum(g["jobs"] for g in groups.values()), "compilations": len(groups),
                      "compiled": len(todo), "cached": len(groups) - len(todo)}
 

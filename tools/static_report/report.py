@@ -21,13 +21,16 @@ kernel and config (units in brackets; sources: ``cuobjdump -res-usage``, SASS fr
     compile_s     seconds the compilation took (for a cached entry: when it was compiled)
     loop, mma_loops   the main loop per iteration (instructions, MMAs, tensor clocks, issue ratio,
                   wgmma waits, barriers, divisions, loads by kind): :func:`tools.static_report.sass.loop_stats`
+    mma_util      convolutions: per layer, the fraction of the main loop's MMA work on real channels
+                  (not a tile's padding): :mod:`tools.static_report.utilization`
 
 A *job provider* maps ``(units: list[UnitShape], dtypes: list[torch.dtype])`` to StaticJobs. The
 report uses :func:`tools.static_report.jobs.chain_jobs` (the launches the fused chains record
 on the meta device), or ``--provider module:function``; compiling and caching: :mod:`tools.static_report.compile`.
 
 Output: ``<out>/static-<triton version>-<date>.json`` (top level: ``triton``, ``date``, ``command``,
-``commit``, ``archs``, ``provider``, counts, ``elapsed_s``, ``loop_figures``, ``entries``; each entry:
+``commit``, ``archs``, ``provider``, counts, ``elapsed_s``, ``loop_figures``, ``useful_bounds``
+(:func:`tools.static_report.utilization.useful_figures`), ``entries``; each entry:
 ``kind`` (``triton``/``csrc``/``anchor``), ``kernel``, ``config``, ``variant``, ``dtype``, ``arch``, the
 metrics above, ``conv``, ``shapes`` (layers that launch it), ``roles``, ``signature``/``constexprs``
 (the specialization)) and a table on stdout. ``--check`` exits 1 listing every entry that spills
@@ -68,6 +71,7 @@ from tools.static_report.loop_limits import (
     write_baseline,
 )
 from tools.static_report.sass import WIDTHS
+from tools.static_report.utilization import useful_figures
 
 __all__ = ["default_provider", "format_table", "main", "ARCHS"]
 
@@ -108,12 +112,13 @@ def _loop_cells(es: Sequence[dict]) -> list[str]:
     """Main-loop columns of a table row: ranges over the compilations that have a main loop."""
     loops = [e["loop"] for e in es if e.get("loop")]
     if not loops:
-        return ["-"] * 6
+        return ["-"] * 7
     ratios = [lp["issue_ratio"] for lp in loops if lp["issue_ratio"] is not None]
     waits = [min(lp["wgmma_waits"]) for lp in loops if lp["wgmma_waits"]]
+    utils = [min(e["mma_util"].values()) for e in es if e.get("loop") and e.get("mma_util")]
     return [_rng([lp["instructions"] for lp in loops]), _rng([lp["mma"] for lp in loops]),
-            _rng([round(r, 2) for r in ratios]) if ratios else "?", _rng(waits) if waits else "-",
-            _rng([lp["bar_sync"] for lp in loops]), _rng([lp["int_div"] for lp in loops])]
+            _rng([round(r, 2) for r in ratios]) if ratios else "?", _rng([round(u, 2) for u in utils]) if utils else "-",
+            _rng(waits) if waits else "-", _rng([lp["bar_sync"] for lp in loops]), _rng([lp["int_div"] for lp in loops])]
 
 
 def format_table(entries: Sequence[dict], full: bool = False) -> str:
@@ -121,8 +126,9 @@ def format_table(entries: Sequence[dict], full: bool = False) -> str:
     compilations (``n``; every compilation with ``full``), sorted by kernel and dtype (in order of
     appearance), config, arch. Columns: regs, stack [B], smem [KiB], mma, LDGSTS, TMA, STL/LDL, LDG
     and LDGSTS widths as ``bits:count``, and the main loop's per-iteration figures (``loop``, see
-    :func:`tools.static_report.sass.loop_stats`): instructions, MMAs, issue ratio, the smallest wgmma
-    wait depth, BAR.SYNC count, integer divisions; ``-`` where a compilation has no MMA loop."""
+    :func:`tools.static_report.sass.loop_stats`): instructions, MMAs, issue ratio, the smallest MMA
+    utilization over its layers (:mod:`tools.static_report.utilization`), the smallest wgmma wait depth,
+    BAR.SYNC count, integer divisions; ``-`` where a compilation has no MMA loop."""
     rows: dict[tuple, list[dict]] = defaultdict(list)
     for e in entries:
         k = (e["kind"], e["kernel"], e["config"], e["dtype"], e["arch"])
@@ -130,7 +136,8 @@ def format_table(entries: Sequence[dict], full: bool = False) -> str:
     head = ["kernel", "config"] + (["variant"] if full else []) + ["dtype", "arch", "n", "regs", "stack",
                                                                    "smem KiB", "mma", "LDGSTS", "TMA", "STL/LDL",
                                                                    "LDG bits:count", "LDGSTS bits:count",
-                                                                   "it:instr", "mma", "ratio", "wait", "BAR", "div"]
+                                                                   "it:instr", "mma", "ratio", "util", "wait", "BAR",
+                                                                   "div"]
     first = {}
     for e in entries:
         first.setdefault(e["kernel"], len(first))
@@ -256,11 +263,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.cubins:
         entries += csrc_entries(a.cubins)
     figures, _ = loop_figures(entries)
+    useful = useful_figures(entries)
     elapsed = round(time.perf_counter() - t0, 1)
     obj = {"triton": triton.__version__, "date": date.today().isoformat(),
            "command": "python -m tools.static_report " + shlex.join(argv), "commit": _commit(),
            "archs": [f"sm_{x}" for x in a.arch], "provider": provider_name, **counts, "elapsed_s": elapsed,
-           "loop_figures": figures, "entries": entries}
+           "loop_figures": figures, "useful_bounds": useful, "entries": entries}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"static-{triton.__version__}-{obj['date']}.json"

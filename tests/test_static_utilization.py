@@ -1,0 +1,92 @@
+"""MMA utilization and the useful bound of the static report (tools.static_report.utilization)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tools.static_report.utilization import mma_utilization, useful_bound, useful_figures
+
+GEO = dict(GROUPS=1, R=3, S=3, STRIDE_H=1, STRIDE_W=1, PAD_H=1, PAD_W=1, DIL_H=1, DIL_W=1)
+
+
+@pytest.mark.parametrize("kernel, kw, util", [
+    # fprop: output channels over BLOCK_N, input channels over BLOCK_K
+    ("fprop", dict(C=16, K=16, BLOCK_M=128, BLOCK_N=16, BLOCK_K=16), 1.0),
+    ("fprop", dict(C=16, K=16, BLOCK_M=128, BLOCK_N=64, BLOCK_K=16), 0.25),
+    ("fprop", dict(C=48, K=64, BLOCK_M=128, BLOCK_N=64, BLOCK_K=32), 0.75),  # 48 channels in two 32-deep chunks
+    ("fprop", dict(C=64, K=64, GROUPS=4, BLOCK_M=64, BLOCK_N=16, BLOCK_K=16), 1.0),
+    # dgrad: input channels over BLOCK_N, the reduction step over output channels or a filter row's slots
+    ("dgrad", dict(C=64, K=16, BLOCK_M=256, BLOCK_N=64, BLOCK_K=64, SLOTS=4), 0.75),  # 3 taps in 4 slots
+    ("dgrad", dict(C=64, K=16, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SLOTS=1), 0.25),
+    # stride 2 by phases, pad 1: the phases reach 1 and 2 of the 3 taps (1.5 of 2 slots)
+    ("dgrad", dict(C=32, K=32, BLOCK_M=128, BLOCK_N=32, BLOCK_K=64, SLOTS=2, STRIDE_H=2, STRIDE_W=2), 0.75),
+    ("dgrad", dict(C=16, K=16, BLOCK_M=128, BLOCK_N=16, BLOCK_K=64, SLOTS=4, R=1, S=1), 0.25),
+    # wgrad: input channels over BLOCK_N (the MMA's M), output channels over BLOCK_M
+    ("wgrad", dict(C=16, K=64, BLOCK_M=64, BLOCK_N=64, BLOCK_R=256), 0.25),
+    ("wgrad_proj", dict(C=64, K=256, BLOCK_M=128, BLOCK_N=64, BLOCK_R=64), 1.0),
+    ("wgrad", dict(C=32, K=32, BLOCK_M=32, BLOCK_N=64, BLOCK_R=128), 0.5),
+    ("wgrad", dict(C=64, K=64, GROUPS=4, BLOCK_M=16, BLOCK_N=64, BLOCK_R=64), 0.25),
+])
+def test_mma_utilization(kernel, kw, util):
+    assert mma_utilization(kernel, {**GEO, **kw}) == pytest.approx(util)
+
+
+def test_other_kernels_have_none():
+    assert mma_utilization("dx", {**GEO, "C": 16, "K": 16, "BLOCK_M": 64, "BLOCK_C": 64}) is None
+    assert mma_utilization("fprop", {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}) is None
+
+
+def test_useful_bound():
+    assert useful_bound(2.0, 0.25) == 8.0  # issue-bound: instructions over the useful tensor clocks
+    assert useful_bound(0.66, 0.25) == 4.0  # tensor-bound on padding
+    assert useful_bound(0.5, 1.0) == 1.0
+    assert useful_bound(None, 1.0) is None and useful_bound(1.0, None) is None
+
+
+def _entry(ratio, util, defaults, kernel="wgrad"):
+    return {"kind": "triton", "kernel": kernel, "variant": "1x1s1", "dtype": "bf16", "arch": "sm_90",
+            "loop": {"issue_ratio": ratio}, "mma_util": util, "default_shapes": defaults}
+
+
+def test_useful_figures_take_the_worst_default_layer():
+    entries = [_entry(0.66, {"a": 0.25, "b": 1.0}, ["a", "b"]),
+               _entry(3.0, {"a": 0.5, "e": 1.0}, ["e"]),  # a candidate at layer a: not judged there
+               _entry(1.5, {"c": 1.0}, ["c"]),
+               _entry(2.0, {"d": 1.0}, ["d"], kernel="fprop")]
+    figs = useful_figures(entries)
+    assert list(figs) == ["triton wgrad [1x1s1] bf16 sm_90", "triton fprop [1x1s1] bf16 sm_90"]  # worst first
+    w = figs["triton wgrad [1x1s1] bf16 sm_90"]
+    assert w == {"default": 4.0, "layer": "a", "utilization": 0.25, "issue_ratio": 0.66}
+    assert figs["triton fprop [1x1s1] bf16 sm_90"]["default"] == 2.0
+    no_roles = dict(entries[0])
+    del no_roles["default_shapes"]  # an entry without the field: every layer counts
+    assert useful_figures([no_roles])["triton wgrad [1x1s1] bf16 sm_90"]["layer"] == "a"
+
+
+def test_utilization_reads_the_launchers_keywords():
+    """Every convolution launch of a PreActResNet-164 bottleneck with a projection (16 → 64 channels)
+    carries the keywords the utilization reads; forced 64-channel wgrad tiles over the units'
+    16-channel inputs use a quarter of their MMA work, the 3×3 dgrad's filter rows three of four slots."""
+    from fused_preact.bench.shapes import enumerate_blocks
+    from fused_preact.ops import BATCH, BNMode
+    from fused_preact.ops.triton.configs import GemmConfig
+    from tools.static_report.jobs import _chain, _record
+
+    block = next(b for b in enumerate_blocks("preact_resnet164", 2) if b.name.endswith("layer1.0"))
+    spec, x_shape = _chain(block)
+    modes = tuple(BNMode(BATCH, True, True) for _ in spec.convs)
+    wg = [GemmConfig(16 if g.out_channels == 16 else 64, 64, 64) for g in spec.convs]
+    _, launches = _record(spec, modes, x_shape, torch.float32, True, overrides={"wgrad": wg})
+    utils: dict[str, list[float]] = {}
+    for rec in launches:
+        u = mma_utilization(rec.name, rec.kwargs)
+        if rec.name in ("fprop", "dgrad", "wgrad", "wgrad_proj"):
+            assert u is not None and 0 < u <= 1, (rec.name, rec.kwargs)
+            utils.setdefault(rec.name, []).append(u)
+        else:
+            assert u is None
+    assert sorted(utils) == ["dgrad", "fprop", "wgrad", "wgrad_proj"]
+    assert utils["wgrad"] == [0.25, 0.25, 0.25]
+    assert utils["wgrad_proj"] == [1.0]  # its own tile: the interpreter's, fitted to the channels
+    assert 0.75 in utils["dgrad"]  # the 3×3's slots
