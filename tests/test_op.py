@@ -206,6 +206,25 @@ def test_wgrad_unrolled_loop(monkeypatch, shape, split):
     _run(shape, True, True, torch.float16)
 
 
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("shape, cfg", [
+    ((2, 16, 9, 7, 16, 3, 1, 1, 1, 1), GemmConfig(16, 16, 128, 4, 2, unroll=2)),
+    ((2, 32, 9, 9, 32, 3, 2, 1, 1, 1), GemmConfig(32, 32, 64, 4, 2, unroll=2)),
+    ((2, 16, 12, 12, 64, 1, 1, 0, 1, 1), GemmConfig(64, 16, 256, 4, 3)),
+    ((2, 32, 8, 12, 72, 1, 1, 0, 1, 1), GemmConfig(128, 32, 128, 4, 3)),
+    ((2, 48, 7, 7, 96, 3, 1, 1, 1, 3), GemmConfig(32, 16, 64, 4, 3)),
+], ids=lambda v: _ids(v) if isinstance(v, tuple) else v.label())
+def test_narrow_wgrad_tiles(monkeypatch, shape, cfg, split):
+    """sm_80's wgrad tiles fitted to ≤ 32 input channels (``configs._narrow_wgrad_tiles``): BLOCK_N
+    of 16 or 32 channels, unrolled with one output-channel piece, or up to four pieces of them (72
+    output channels: the last tile partly masked; 3 groups of 16 → 32 channels), alone and in split-K
+    chunks."""
+    monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: cfg)
+    monkeypatch.setattr(triton_plans, "wgrad_split", lambda m_total, tiles, block_k, device: split)
+    monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
+    _run(shape, True, True, torch.float16)
+
+
 @pytest.mark.parametrize("split", [2, 3])
 def test_wgrad_split_k(monkeypatch, split):
     """The deterministic split-K path of the wgrad kernel (used on GPUs for long reductions)."""

@@ -161,6 +161,39 @@ def _wide_wgrad_rows(arch: int, dtype: torch.dtype, x32: bool, strided: bool, Kg
     return arch >= 90 and dtype in (torch.float16, torch.bfloat16) and not x32 and not strided
 
 
+def _narrow_wgrad(arch: int, Cg: int) -> bool:
+    """Whether wgrad tiles of an sm_80-class GPU (``arch`` 80–89) fit ``Cg`` ≤ 32 input channels per
+    group in BLOCK_N (their MMA's M): mma.sync takes 16 rows at a time, where sm_90's wgmma takes 64
+    per warpgroup, so a 64-wide tile over 16 channels multiplies three quarters zeros
+    (``tools/static_report/utilization.py``)."""
+    return 80 <= arch < 90 and Cg <= 32
+
+
+def _narrow_wgrad_tiles(Kg: int, Cg: int, dtype: torch.dtype, arch: int, x32: bool) -> list[GemmConfig]:
+    """The wgrad tiles :func:`_narrow_wgrad` allows, the default first: BLOCK_N the input channels (16
+    or 32), BLOCK_M up to four pieces of them (the kernel's limit) and at most 128 output channels.
+    One output-channel piece (BLOCK_M ≤ BLOCK_N) runs two row blocks of 2048 / BLOCK_N rows per
+    iteration (:func:`wgrad_unroll`; 32×32×128 unrolled spills in a 3×3 at the 128 registers ptxas
+    gives it; rolled, 256 or 512 rows take 1.3–2.0); several pieces run 128 rows (≤ 80 KiB of shared
+    memory in 3 stages, so sm_86/89's 99 KiB hold it too; bf16's 256 and 512 rows, up to 160 KiB, are
+    candidates; fp16's spill with 16 channels). Static, sm_80, PreActResNet-164 (issue ratio; MMA
+    utilization 0.25 → 1 with 16 channels, 0.5 → 1 with 32): 3×3 16→16 1.80 → 1.08, 1×1 16→16
+    1.12 → 0.96, 1×1 16→64 0.61 → 0.48, 3×3 32→32 1.08 → 0.80 (stride 2: 1.17 → 0.85), 1×1 32→128
+    0.39 → 0.33."""
+    bn = p2(Cg, 16, 32)
+    bm = min(p2(Kg, 16, 128), 4 * bn)
+    if bm <= bn:
+        rows = [2048 // bn]
+    else:
+        rows = [128, 256, 512] if dtype == torch.bfloat16 else [128]
+    out = []
+    for r in rows:
+        cfg = wgrad_unroll(GemmConfig(bm, bn, r, 4, 2 if r >= 512 else 3), dtype, arch, x32)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
 def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x32: bool = False,
                  strided: bool = False) -> GemmConfig:
     """Default wgrad tiles: BLOCK_M over output channels, BLOCK_N over input channels, BLOCK_K over
@@ -172,6 +205,8 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x3
     64→64 on sm_90: 1.22 with 64 rows, 1.03 with 128, 0.96 with 256 in 2 stages). 256 rows where
     :func:`_wide_wgrad_rows` allows them (``arch``: compute capability as 10·major + minor, 0 unknown;
     ``x32``: the activations are fp32 under a 16-bit ``dtype``; ``strided``: a conv stride > 1), else 128.
+    On sm_80-class GPUs ≤ 32 input channels per group take tiles fitted to them
+    (:func:`_narrow_wgrad_tiles`).
     """
     if interpreting():  # the kernel holds at most 4 pieces of output channels: BLOCK_M ≤ 4·BLOCK_N
         bm = p2(Kg, 16, 256)
@@ -179,6 +214,8 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x3
     if dtype == torch.float32:  # fp32 operands (TF32 MMA): half the rows per block
         return GemmConfig(p2(Kg, 16, 64), 64, 32, 4, 4)
     bm = p2(Kg, 16, 128)
+    if _narrow_wgrad(arch, Cg):
+        return _narrow_wgrad_tiles(Kg, Cg, dtype, arch, x32)[0]
     if bm <= 64 and _wide_wgrad_rows(arch, dtype, x32, strided, Kg):
         return wgrad_unroll(GemmConfig(bm, 64, 256, 4, 2), dtype, arch, x32)
     return wgrad_unroll(GemmConfig(bm, 64, 128 if bm <= 64 else 64, 4, 3), dtype, arch, x32)
@@ -191,7 +228,8 @@ def wgrad_unroll(cfg: GemmConfig, dtype: torch.dtype, arch: int, x32: bool) -> G
     accumulator is the free second piece's), row blocks of at most 128 (256-row tiles already amortize
     the loop's fixed costs, and two of them overflow shared memory), and at most 32 output channels or
     fp32 activations (``x32``; a 64-channel tile of 16-bit activations spills in a strided 3×3) — on
-    sm_80 not fp16's 32-channel tiles (a 3×3's spill at its 168-register cap). On sm_90 both dots stay
+    sm_80 not fp16's 32-channel tiles over 64 input channels (a 3×3's spill at its 168-register cap;
+    over ≤ 32 input channels, :func:`_narrow_wgrad_tiles`, they fit). On sm_90 both dots stay
     in flight (wgmma waits at depth 3, was 1); on both the per-iteration costs halve: static, sm_90,
     PreActResNet-164's 32-channel 1×1 (fp16) 1.45 → 1.33, 3×3 stride 2 2.55 → 2.40, x32 1×1
     1.17 → 1.09, its 16-channel x32 1×1 4.47 → 3.91; sm_80, its 16-channel 1×1 1.29 → 1.12, 32-channel
@@ -200,7 +238,7 @@ def wgrad_unroll(cfg: GemmConfig, dtype: torch.dtype, arch: int, x32: bool) -> G
         return cfg
     if cfg.BLOCK_M > 32 and not x32:
         return cfg
-    if arch < 90 and cfg.BLOCK_M > 16 and dtype == torch.float16 and not x32:
+    if arch < 90 and cfg.BLOCK_M > 16 and cfg.BLOCK_N > 32 and dtype == torch.float16 and not x32:
         return cfg
     return dataclasses.replace(cfg, unroll=2, num_stages=max(2, cfg.num_stages - 1))
 
@@ -224,7 +262,8 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int 
     or wgrad; for wgrad m is the output channels, n the input channels, k the rows): blocks clamped to
     the problem (powers of two ≥ 16), duplicates removed. ``arch``: as :func:`fprop_unroll` and
     :func:`wgrad_config`; ``x32``, ``strided``: as :func:`wgrad_config` (its 256-row tiles);
-    ``slots``: dgrad's taps per step, :func:`dgrad_slots`."""
+    ``slots``: dgrad's taps per step, :func:`dgrad_slots`. wgrad on sm_80 over ≤ 32 input channels
+    also takes tiles fitted to them (:func:`_narrow_wgrad`)."""
     half = 2 if dtype == torch.float32 else 1
     space = {"fprop": _FPROP_SPACE, "dgrad": _DGRAD_SPACE, "wgrad": _WGRAD_SPACE}[kind]
     if kind == "wgrad" and m <= 64 and _wide_wgrad_rows(arch, dtype, x32, strided, m):
@@ -253,6 +292,8 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int 
             cfg = wgrad_unroll(cfg, dtype, arch, x32)
         if cfg not in out:
             out.append(cfg)
+    if kind == "wgrad" and half == 1 and _narrow_wgrad(arch, n):
+        out += [cfg for cfg in _narrow_wgrad_tiles(m, n, dtype, arch, x32) if cfg not in out]
     return out
 
 
