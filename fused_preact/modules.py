@@ -13,6 +13,7 @@ Source: He, Zhang, Ren, Sun, "Identity Mappings in Deep Residual Networks", ECCV
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from typing import Optional, Union
@@ -43,7 +44,7 @@ from fused_preact.ops.sync_stats import sync_bn_statistics, sync_enabled
 
 __all__ = ["FusedBNReLUConv2d", "FusedPreActBlock", "FusedPreActBottleneck", "FusedModuleBase", "bottleneck_width",
            "convert_sync_batchnorm", "run_units", "run_blocks", "bn_mode", "init_fused_state", "describe_backend",
-           "backend_path"]
+           "backend_path", "record_eager"]
 
 logger = logging.getLogger("fused_preact")
 
@@ -164,35 +165,55 @@ def run_units(owner: nn.Module, x: torch.Tensor, units: list, proj: Optional[nn.
 
     Raises:
         ValueError / RuntimeError: PyTorch's input errors; a forced backend that cannot serve the input.
+
+    A parametrized module's tensors (``torch.nn.utils.parametrize``, e.g. spectral_norm's weight, whose
+    evaluation in training runs a power iteration) are evaluated once per call, as the eager modules'
+    forward reads them: the call runs under ``parametrize.cached()``.
     """
-    _check_buffers(units)
-    convs = [c for _, c in units] + ([proj] if proj is not None else [])
-    eager_reasons = _type_reasons(units) + [r for c in convs for r in _conv_reasons(c)] + _hook_reasons(units, proj)
-    proj_problem = projection_problem(proj) if proj is not None else None
-    if proj_problem is not None:
-        eager_reasons.append(proj_problem)
-    if eager_reasons:
-        why = "; ".join(eager_reasons)
-        if check_backend_name(owner.backend) not in ("auto", "reference"):
-            raise RuntimeError(f"fused_preact: backend={owner.backend!r} cannot serve this module: {why}")
-        _record(owner, "reference", why, x)
-        if not torch.compiler.is_compiling():
-            owner._plans.last = LastCall(None, owner.backend, getattr(owner, "memory", "fastest"), "reference", why)
-        return _eager_units(x, units, proj, proj_out, residual)
-    if any(sync_enabled(bn) for bn, _ in units):
-        result = _synchronized_units(owner, x, units, proj, proj_out, residual)
-    else:
-        kind = residual if isinstance(residual, str) or residual is None else "tensor"
-        spec = _spec(units, proj, proj_out, kind or "none")
-        modes = tuple(bn_mode(bn) for bn, _ in units)
-        t = _tensors(units, proj, residual if kind == "tensor" else None, modes)
-        if in_stats is not None and modes[0].kind == BATCH:
-            t.in_stats = in_stats
-        result, choice = run_chain(owner.backend, owner._plans, spec, x, t, modes, out_stats=want_stats,
-                                   memory=getattr(owner, "memory", "fastest"))
-        _record(owner, choice.name, choice.reason, x)
-    _count_without_buffers(units)
-    return result
+    modules = [m for pair in units for m in pair] + ([proj] if proj is not None else [])
+    with _cached_parametrizations(modules):
+        _check_buffers(units)
+        convs = [c for _, c in units] + ([proj] if proj is not None else [])
+        eager_reasons = _type_reasons(units) + [r for c in convs for r in _conv_reasons(c)] + _hook_reasons(units, proj)
+        proj_problem = projection_problem(proj) if proj is not None else None
+        if proj_problem is not None:
+            eager_reasons.append(proj_problem)
+        if eager_reasons:
+            record_eager(owner, "; ".join(eager_reasons), x)
+            return _eager_units(x, units, proj, proj_out, residual)
+        if any(sync_enabled(bn) for bn, _ in units):
+            result = _synchronized_units(owner, x, units, proj, proj_out, residual)
+        else:
+            kind = residual if isinstance(residual, str) or residual is None else "tensor"
+            spec = _spec(units, proj, proj_out, kind or "none")
+            modes = tuple(bn_mode(bn) for bn, _ in units)
+            t = _tensors(units, proj, residual if kind == "tensor" else None, modes)
+            if in_stats is not None and modes[0].kind == BATCH:
+                t.in_stats = in_stats
+            result, choice = run_chain(owner.backend, owner._plans, spec, x, t, modes, out_stats=want_stats,
+                                       memory=getattr(owner, "memory", "fastest"))
+            _record(owner, choice.name, choice.reason, x)
+        _count_without_buffers(units)
+        return result
+
+
+def record_eager(owner: nn.Module, why: str, x: torch.Tensor) -> None:
+    """Before ``owner`` runs its modules' eager forward because of ``why``: raise if its backend was
+    forced (``RuntimeError``: that backend cannot serve the module), else record the reference path
+    and the reason (``last_backend``, ``fallback_reason``, a warning on CUDA; the last call for
+    :func:`fused_preact.dispatch_report`)."""
+    if check_backend_name(owner.backend) not in ("auto", "reference"):
+        raise RuntimeError(f"fused_preact: backend={owner.backend!r} cannot serve this module: {why}")
+    _record(owner, "reference", why, x, stacklevel=4)
+    if not torch.compiler.is_compiling():
+        owner._plans.last = LastCall(None, owner.backend, getattr(owner, "memory", "fastest"), "reference", why)
+
+
+def _cached_parametrizations(modules: list) -> contextlib.AbstractContextManager:
+    """``parametrize.cached()`` when one of ``modules`` is parametrized (run_units), else a no-op."""
+    if any(nn.utils.parametrize.is_parametrized(m) for m in modules):
+        return nn.utils.parametrize.cached()
+    return contextlib.nullcontext()
 
 
 def _check_buffers(units: list) -> None:
@@ -271,7 +292,7 @@ def _synchronized_units(owner, x, units, proj, proj_out, residual):
     return ChainResult(_add_shortcut(h, x, p, residual))
 
 
-def _record(owner: nn.Module, name: str, reason: Optional[str], x: torch.Tensor) -> None:
+def _record(owner: nn.Module, name: str, reason: Optional[str], x: torch.Tensor, stacklevel: int = 3) -> None:
     """Set ``owner.last_backend`` / ``fallback_reason``; a new fallback reason is warned on CUDA and
     logged on the ``fused_preact`` logger otherwise — except while ``torch.compile`` traces (logging
     would break the graph; the attributes still record what the compiled graph runs)."""
@@ -281,7 +302,7 @@ def _record(owner: nn.Module, name: str, reason: Optional[str], x: torch.Tensor)
         if reason is not None and not torch.compiler.is_compiling():
             msg = f"fused_preact: {type(owner).__name__} runs the {name} path: {reason}"
             if x.device.type == "cuda":
-                warnings.warn(msg, stacklevel=3)
+                warnings.warn(msg, stacklevel=stacklevel)
             else:
                 logger.info(msg)
 

@@ -410,3 +410,24 @@ def test_frozen_conv_weights(backend):
         if p.grad is not None:
             assert_close(p.grad, pe.grad, torch.float32, f"grad {name}")
     assert fused.last_backend == backend
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_stateful_parametrization_is_evaluated_once_per_call(backend):
+    """spectral_norm on every conv of a block with a projection shortcut: in training each evaluation
+    of the weight runs a power iteration that updates the parametrization's u and v buffers, and
+    the eager modules evaluate it once per forward — so must the fused path (outputs, gradients and
+    u/v stay eager's over three training calls)."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    torch.manual_seed(7)
+    fused = FusedPreActBlock(5, 8, 2, backend=backend)
+    _randomize_bn(fused, seed=8)
+    eager = PreActBlock(5, 8, 2)
+    for m in (fused, eager):
+        for conv in (m.conv1, m.conv2, m.shortcut):
+            spectral_norm(conv)
+    eager.load_state_dict(fused.state_dict())  # the same u, v and original weights
+    fused = fused.to(DEVICE)
+    _compare(fused, eager.double(), torch.randn(2, 5, 9, 7) + 0.5, train=True, steps=3)
+    assert fused.last_backend == backend
