@@ -150,3 +150,65 @@ def test_hooks_added_after_convert_on_unfused_parts_run(where):
     x = torch.randn(2, 4, 6, 6)
     assert_close(model(x), eager(x), torch.float32, where)
     assert len(seen) == 2
+
+
+_EDITS = {
+    # a BatchNorm after the projection conv: its Sequential no longer holds the conv alone
+    "projection-gets-a-norm": (lambda: CifarPreActBlock(4, 8, stride=2), lambda b: b.shortcut.append(nn.BatchNorm2d(8))),
+    "projection-becomes-a-bare-conv": (lambda: CifarPreActBlock(4, 8, stride=2),
+                                       lambda b: setattr(b, "shortcut", nn.Conv2d(4, 8, 1, 2, bias=False))),
+    # kuangliu's forward applies a shortcut module to relu(bn1(x)) but adds x when there is none
+    "identity-block-gets-a-shortcut": (lambda: CifarPreActBlock(4, 4),
+                                       lambda b: setattr(b, "shortcut", nn.Sequential(nn.Conv2d(4, 4, 1, bias=False)))),
+    "identity-downsample-becomes-a-conv": (lambda: TimmStyleBasic(4),
+                                           lambda b: setattr(b, "downsample", nn.Conv2d(4, 4, 1, bias=False))),
+    # timm's forward takes the ReLU from the norm: a plain BatchNorm2d has none
+    "norm-loses-its-act": (lambda: TimmStyleBasic(4), lambda b: setattr(b, "norm2", nn.BatchNorm2d(4))),
+    "act-becomes-gelu": (lambda: TimmStyleBasic(4), lambda b: setattr(b.norm2, "act", nn.GELU())),
+}
+
+
+@pytest.mark.parametrize("edit", list(_EDITS))
+def test_converted_block_runs_its_original_forward_after_its_children_change(edit):
+    """A converted block whose children change after ``convert()`` — a child replaced by one of
+    another type, added or removed anywhere below it — runs the original class's forward on them
+    (the fused reading was matched to the children it had): eager's output and gradients, the
+    reason recorded; a forced fused backend raises. Each edit was computed wrong, or failed, before."""
+    torch.manual_seed(0)
+    make, apply_edit = _EDITS[edit]
+    model = nn.Sequential(make())
+    _, report = convert(model, report=True)
+    assert [r.name for r in report.replaced] == ["0"], _reasons(report)
+    eager = nn.Sequential(copy.deepcopy(model[0]))
+    eager[0].__class__ = model[0]._source_cls
+    for m in (model, eager):
+        torch.manual_seed(1)  # the same new modules on both sides
+        apply_edit(m[0])
+    x = torch.randn(2, 4, 6, 6)
+    xf, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, ye = model(xf), eager(xe)
+    assert_close(y, ye, torch.float32, edit)
+    y.square().sum().backward()
+    ye.square().sum().backward()
+    assert_close(xf.grad, xe.grad, torch.float32, f"{edit} grad x")
+    assert model[0].last_backend == "reference" and "changed since convert()" in model[0].fallback_reason
+    model[0].backend = "triton"
+    with pytest.raises(RuntimeError, match="changed since convert"):
+        model[0](x)
+
+
+def test_converted_block_stays_fused_when_a_child_is_replaced_by_one_of_its_type():
+    """Replacing a conv or a norm by a new one of the same type keeps the fused reading (it reads the
+    children by name on every call): the new weights are used, on the fused path."""
+    torch.manual_seed(0)
+    model = nn.Sequential(CifarPreActBlock(4, 8, stride=2))
+    convert(model, backend="triton")
+    eager = nn.Sequential(copy.deepcopy(model[0]))
+    eager[0].__class__ = CifarPreActBlock
+    for m in (model, eager):
+        torch.manual_seed(1)
+        m[0].conv2 = nn.Conv2d(8, 8, 3, 1, 1, bias=False)
+        m[0].shortcut[0] = nn.Conv2d(4, 8, 1, 2, bias=False)
+    x = torch.randn(2, 4, 6, 6)
+    assert_close(model(x), eager(x), torch.float32, "same-type replacement")
+    assert model[0].last_backend == "triton" and model[0].fallback_reason is None

@@ -22,6 +22,7 @@ from fused_preact.modules import (
     FusedPreActBottleneck,
     describe_backend,
     init_fused_state,
+    record_eager,
     run_units,
 )
 
@@ -44,6 +45,14 @@ class ConvertedPreActBlock(FusedModuleBase):
     read as ``shortcut_mode`` says (see :mod:`fused_preact.conversion`). With ``module_preact`` or
     ``identity_preact`` the first BN → ReLU runs unfused (its output is materialized once).
 
+    That reading was matched (and probed) against the original class's forward and the children it
+    had. When the children change afterwards — one replaced by a module of another type, one added
+    or removed anywhere below the block (``layout``) — the block runs the original class's forward
+    on its current children instead, unfused, and says so (``fallback_reason``; a forced fused
+    backend raises): a shortcut turned into a projection, a norm without its ReLU, are then computed
+    as the original block computes them. Replacing a child by one of the same type, a hook, or a
+    changed attribute is read by the fused path on every call, as before.
+
     Attributes:
         backend: requested backend (``"auto"``, ``"triton"``, ``"reference"``).
         last_backend, fallback_reason: what the last fused step ran, and why it fell back.
@@ -51,6 +60,7 @@ class ConvertedPreActBlock(FusedModuleBase):
         shortcut_name, shortcut_mode, proj_path, drop_path_name: how the shortcut and drop path
             are found and read.
         source_type: the original block's qualified class name.
+        layout: ((module path, type), …) of every module below the block at conversion.
 
     Shapes and dtypes: those of the original block (input (N, C, H, W)).
     Raises (in forward): as :func:`fused_preact.modules.run_units` (bad rank or channels, forced backend that
@@ -72,6 +82,10 @@ class ConvertedPreActBlock(FusedModuleBase):
         self.source_type = f"{type(block).__module__}.{type(block).__qualname__}"
         if hasattr(type(block), "expansion"):
             self.expansion = type(block).expansion
+        # the original forward's class and attributes, to run it on the current children
+        self._source_cls = type(block)
+        self._source_state = {k: v for k, v in block.__dict__.items() if k != "_modules"}
+        self.layout = _layout(self)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, shortcut={_MODES[self.shortcut_mode]!r}, source={self.source_type}"
@@ -81,6 +95,8 @@ class ConvertedPreActBlock(FusedModuleBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(N, C, H, W) → the original block's output; see the class docstring."""
+        if _layout(self) != self.layout:
+            return self._source_forward(x)
         mods = self._modules
         steps = [(mods[n], mods[c]) for n, c in self.steps]
         mode = self.shortcut_mode
@@ -112,6 +128,18 @@ class ConvertedPreActBlock(FusedModuleBase):
             return dp(run_units(self, x, steps)[0]) + sc
         return run_units(self, x, steps, residual="input" if identity else sc)[0]
 
+    def _source_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The original class's forward on the block's current children and training mode."""
+        now = dict(_layout(self))
+        changed = sorted({p for p, t in self.layout if now.get(p, None) is not t} | (now.keys() - dict(self.layout).keys()))
+        record_eager(self, f"its modules changed since convert() ({', '.join(changed)}): the original "
+                           f"{self.source_type}.forward runs, unfused", x)
+        block = self._source_cls.__new__(self._source_cls)
+        block.__dict__.update(self._source_state)
+        block.__dict__["_modules"] = self._modules
+        block.__dict__["training"] = self.training
+        return block(x)
+
     def _proj_containers(self) -> list[nn.Module]:
         """The modules around the fused projection conv on its path (e.g. a ``Sequential(conv)``)."""
         mods, m = [], self._modules[self.proj_path[0]]
@@ -119,6 +147,18 @@ class ConvertedPreActBlock(FusedModuleBase):
             mods.append(m)
             m = m._modules[part]
         return mods
+
+
+def _layout(block: nn.Module) -> tuple[tuple[str, type], ...]:
+    """((path, type), …) of every module below ``block`` (``None`` entries too), depth first."""
+    out, stack = [], [("", block)]
+    while stack:
+        prefix, m = stack.pop()
+        for name, child in m._modules.items():
+            out.append((prefix + name, type(child)))
+            if child is not None:
+                stack.append((f"{prefix}{name}.", child))
+    return tuple(out)
 
 
 def _drop_path_active(dp: Optional[nn.Module]) -> bool:

@@ -211,7 +211,9 @@ def convert(model: nn.Module, backend: str = "auto", verify: bool = True, report
     :class:`ConvertedPreActBlock` objects adopting the original children; Sequentials change class
     in place to :class:`FusedSequential`. The model object itself is returned, except when the
     model is itself a recognized block: then the new :class:`ConvertedPreActBlock` is returned.
-    Calling ``convert`` again replaces nothing.
+    Calling ``convert`` again replaces nothing. A converted block whose children are later replaced
+    by modules of other types, added or removed runs its original class's forward, unfused, and says
+    so (:class:`ConvertedPreActBlock`); a Sequential's edited runs run their children one by one.
 
     Args:
         model: any module tree, any device and dtype.
