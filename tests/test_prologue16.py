@@ -75,17 +75,22 @@ def test_interpreter_form_is_its_definition():
 #: scale ≈ 3e5, so shift = β − mean·scale ≈ 1.2e6 lies 2^5 beyond scale: the wgrad kernel's masked
 #: (padded) rows transform to about shift·2^−e, finite only if e covers |shift| too.
 REGIMES = {"normal": (0.7, 2.0, 1.0), "large_mean": (100.0, 0.5, 1.0), "scale_beyond_fp16": (0.3, 1e-3, 300.0),
-           "shift_beyond_fp16": (-4.0, 0.02, 8000.0)}
+           "shift_beyond_fp16": (-4.0, 0.02, 8000.0), "scale_below_fp16": (0.3, 1000.0, 0.003)}
+#: β's scale per regime (1 unless given): σ = 1000 with γ ≈ 0.002 makes scale ≈ 2e-6, below fp16's
+#: smallest normal number (6.1e-5), with β ≈ ±2.5e-3: fprop scales the vectors up into fp16's range
+#: (without it, 3-35× eager's error: found by a hostile test run)
+BETA_SCALE = {"scale_below_fp16": 1e-3}
 
-def _set_bn(model: nn.Module, gamma_scale: float, seed: int) -> None:
-    """γ in [0.5, 1] (the first BatchNorm's times ``gamma_scale``), β = ±[2, 3]: ReLU kinks 2+ standard
-    deviations out, so 16-bit rounding rarely flips a ReLU decision (see test_convert's ``_randomize_bn``)."""
+def _set_bn(model: nn.Module, gamma_scale: float, seed: int, beta_scale: float = 1.0) -> None:
+    """γ in [0.5, 1] (the first BatchNorm's times ``gamma_scale``), β = ±[2, 3] (the first's times
+    ``beta_scale``): ReLU kinks 2+ standard deviations out, so 16-bit rounding rarely flips a ReLU
+    decision (see test_convert's ``_randomize_bn``)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for i, m in enumerate(b for b in model.modules() if isinstance(b, nn.BatchNorm2d)):
             sign = torch.randint(0, 2, (m.num_features,), generator=g) * 2 - 1
             m.weight.copy_((torch.rand(m.num_features, generator=g) * 0.5 + 0.5) * (gamma_scale if i == 0 else 1.0))
-            m.bias.copy_(sign * (torch.rand(m.num_features, generator=g) + 2.0))
+            m.bias.copy_(sign * (torch.rand(m.num_features, generator=g) + 2.0) * (beta_scale if i == 0 else 1.0))
 
 
 def _pools(build, regime: str, train: bool, draws: int = 2):
@@ -94,7 +99,7 @@ def _pools(build, regime: str, train: bool, draws: int = 2):
     mean, std, gamma_scale = REGIMES[regime]
     torch.manual_seed(0)
     fused, eager = build()
-    _set_bn(fused, gamma_scale, 1)
+    _set_bn(fused, gamma_scale, 1, BETA_SCALE.get(regime, 1.0))
     eager.load_state_dict(_eager_state(fused, eager))
     if not train:  # running statistics of the regime's data
         with torch.no_grad():

@@ -13,10 +13,11 @@ The transform of 16-bit inputs (:func:`.prologue16._preact16`, the form and its 
 there) runs in packed 16-bit arithmetic, two elements per instruction, on the tile in the MMA operand
 layout (Triton reads the tile from shared memory straight into the wgmma/mma registers; no layout
 round trip). The exponent e of fp16's scaling is one per call, from the largest |s|, |b| of the
-call's channels. The vectors are derived once per program from the fp32 pack into the pack's scratch
-rows (identical values from every program). fp32 inputs keep the fp32 transform: one fp32 fma per
-element, then the ReLU and the rounding to the operand dtype (:func:`.prologue16._relu_round`, one
-packed conversion per pair of elements when the operands are 16-bit).
+call's channels (:func:`.prologue16._pow2_exponent`). The vectors are derived once per program from
+the fp32 pack into the pack's scratch rows (identical values from every program). fp32 inputs keep
+the fp32 transform: one fp32 fma per element, then the ReLU and the rounding to the operand dtype
+(:func:`.prologue16._relu_round`, one packed conversion per pair of elements when the operands are
+16-bit).
 
 Padding: a padded tap reads a clamped in-bounds element (one unsigned min per row with 32-bit
 offsets) and the transform zeroes it (a padded ``a`` is 0, not ``relu(shift)``); the row mask reaches
@@ -68,13 +69,14 @@ def _pack16_ptrs(pack_ptr, C, DT: tl.constexpr):
 
 
 @triton.jit
-def _scale_exponent(pack_ptr, C, pack2_ptr, C2, HAS_PROJ: tl.constexpr, DT: tl.constexpr):
-    """The call's e (:func:`_pow2_exponent`) over every channel of ``pack`` and, with HAS_PROJ,
-    ``pack2``: one e for all programs and groups, so every program writes the same scratch values."""
+def _scale_exponent(pack_ptr, C, pack2_ptr, C2, HAS_PROJ: tl.constexpr, DT: tl.constexpr, UP: tl.constexpr):
+    """The call's e (:func:`_pow2_exponent`; UP: every transformed tile is 16-bit, so e may scale up)
+    over every channel of ``pack`` and, with HAS_PROJ, ``pack2``: one e for all programs and groups,
+    so every program writes the same scratch values."""
     mx = _pack16_absmax(pack_ptr, 0, C, C, DT, 256)
     if HAS_PROJ:
         mx = tl.maximum(mx, _pack16_absmax(pack2_ptr, 0, C2, C2, DT, 256))
-    return _pow2_exponent(mx)
+    return _pow2_exponent(mx, UP)
 
 
 @triton.jit
@@ -289,6 +291,9 @@ def _fprop_kernel(
     # (also bf16) the main loop's vectors there interleaved
     X32S: tl.constexpr = (SCALED or QUAD) and not X16
     XIN32S: tl.constexpr = SCALED and HAS_PROJ and not XIN16
+    # fp16's exponent may scale the vectors up only where every transformed tile is 16-bit (an fp32
+    # tile's |x| is not bounded by fp16's range)
+    UP16: tl.constexpr = X16 and (XIN16 or not HAS_PROJ)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = tl.program_id(2)
@@ -334,7 +339,7 @@ def _fprop_kernel(
     w_tile = w_ptr + k_out[None, :] * swk + kk[:, None] * swc
     down = 1.0
     if SCALED:
-        down = _pow2(-_scale_exponent(pack_ptr, C, pack2_ptr, C2, HAS_PROJ, DOT_DTYPE))
+        down = _pow2(-_scale_exponent(pack_ptr, C, pack2_ptr, C2, HAS_PROJ, DOT_DTYPE, UP16))
     if X16:
         _write_pack16(pack_ptr, g * Cg, Cg, C, down, x_ptr.dtype.element_ty, 256)
     if XIN16:
@@ -413,7 +418,7 @@ def _fprop_kernel(
                 a2 = _relu_round(tl.fma(xt2.to(tl.float32), sc[None, :], sh[None, :]), DOT_DTYPE, PRO16 == 2)
             acc = tl.dot(a2.to(DOT_DTYPE), wt2.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
     if SCALED:  # e again (not held through the loop: registers)
-        acc = acc * _pow2(_scale_exponent(pack_ptr, C, pack2_ptr, C2, HAS_PROJ, DOT_DTYPE))
+        acc = acc * _pow2(_scale_exponent(pack_ptr, C, pack2_ptr, C2, HAS_PROJ, DOT_DTYPE, UP16))
     y_mask = m_mask[:, None] & n_mask[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + k_out, mask=n_mask, other=0.0).to(tl.float32)[None, :]

@@ -6,9 +6,10 @@ centred on a representable mean:
     a = relu((x − m̃)·s̃ + b̃),   m̃ = DT(mean), s̃ = DT(scale·2^−e), b̃ = DT((shift + m̃·scale)·2^−e)
 
 two roundings to ``DT`` (``d = x − m̃``, exact for x within a factor 2 of m̃, then one fused
-multiply-add), a ReLU that keeps NaN and maps −inf to 0, and an exponent ``e ≥ 0`` (fp16 only; 0 for
-bf16) that brings the vectors into fp16's range; the kernel multiplies its fp32 accumulator by 2^e,
-so both scalings are exact. On a GPU each pair of elements is two packed instructions
+multiply-add), a ReLU that keeps NaN and maps −inf to 0, and an exponent ``e`` (fp16 only; 0 for
+bf16) that brings the vectors into fp16's range — down below 2^15, or up into [1/4, 1/2) from below
+1/4 (:func:`_pow2_exponent`); the kernel multiplies its fp32 accumulator by 2^e, so both scalings
+are exact. On a GPU each pair of elements is two packed instructions
 (``fma.rn{.relu}.{bf16x2,f16x2}``, PTX ISA 7.8, sm_80+); under Triton's interpreter, where inline PTX
 does not run, the same roundings are computed from exact float64 sums and products.
 
@@ -23,6 +24,8 @@ from fused_preact.ops._common import tl, triton
 
 #: fp16 vectors are scaled below 2**15 (< 65504 after rounding).
 _FP16_EXP_LIMIT = tl.constexpr(127 + 14)
+#: ... and, for 16-bit activations, scaled up into [2**-2, 2**-1) from below 2**-2.
+_FP16_UP_BELOW = tl.constexpr(127 - 2)
 
 
 @triton.jit
@@ -51,9 +54,17 @@ def _pack16_absmax(pack_ptr, c_lo, n_ch, C, DT: tl.constexpr, BLOCK: tl.constexp
 
 
 @triton.jit
-def _pow2_exponent(absmax):
-    """e ≥ 0 such that absmax·2^−e < 2^15: the biased fp32 exponent of ``absmax`` beyond 127 + 14."""
-    return tl.maximum(((absmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - _FP16_EXP_LIMIT, 0)
+def _pow2_exponent(absmax, UP: tl.constexpr):
+    """e such that absmax·2^−e < 2^15: the biased fp32 exponent of ``absmax`` beyond 127 + 14, else 0;
+    with UP (16-bit activations) also e < 0 where absmax < 1/4, so that absmax·2^−e ∈ [1/4, 1/2):
+    vectors below fp16's normal range (6.1e-5: a BatchNorm scale γ/σ of a wide input) keep their
+    precision, and since |x − m̃| ≤ 2·65504 for 16-bit x and each of |s̃|, |b̃| is then < 1/2, the
+    scaled pre-activation stays finite. e ≥ −100 (2^e and 2^−e normal in fp32)."""
+    biased = (absmax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.maximum(biased - _FP16_EXP_LIMIT, 0)
+    if UP:
+        e = tl.where(biased < _FP16_UP_BELOW, tl.maximum(biased - _FP16_UP_BELOW, -100), e)
+    return e
 
 
 @triton.jit
@@ -80,7 +91,7 @@ def _channel_exponent(mean, scale, shift, DT: tl.constexpr):
     covers |shift| too: a masked (zero) x transforms to about shift·2^−e, which must stay finite. An
     elementwise e: a reduction over channels would take the transform out of the MMA operand layout."""
     if DT == tl.float16:
-        e = _pow2_exponent(_absmax16(mean, scale, shift, DT, True))
+        e = _pow2_exponent(_absmax16(mean, scale, shift, DT, True), True)
     else:
         e = 0
     return e
