@@ -47,11 +47,11 @@ class ConvertedPreActBlock(FusedModuleBase):
 
     That reading was matched (and probed) against the original class's forward and the children it
     had. When the children change afterwards — one replaced by a module of another type, one added
-    or removed anywhere below the block (``layout``) — the block runs the original class's forward
-    on its current children instead, unfused, and says so (``fallback_reason``; a forced fused
-    backend raises): a shortcut turned into a projection, a norm without its ReLU, are then computed
-    as the original block computes them. Replacing a child by one of the same type, a hook, or a
-    changed attribute is read by the fused path on every call, as before.
+    or removed anywhere below the block (``_convert_layout``) — the block runs the original class's
+    forward on its current children instead, unfused, and says so (``fallback_reason``; a forced
+    fused backend raises): a shortcut turned into a projection, a norm without its ReLU, are then
+    computed as the original block computes them. Replacing a child by one of the same type, a hook,
+    or a changed attribute is read by the fused path on every call, as before.
 
     Attributes:
         backend: requested backend (``"auto"``, ``"triton"``, ``"reference"``).
@@ -60,7 +60,7 @@ class ConvertedPreActBlock(FusedModuleBase):
         shortcut_name, shortcut_mode, proj_path, drop_path_name: how the shortcut and drop path
             are found and read.
         source_type: the original block's qualified class name.
-        layout: ((module path, type), …) of every module below the block at conversion.
+        _convert_layout: ((module path, type), …) of every module below the block at conversion.
 
     Shapes and dtypes: those of the original block (input (N, C, H, W)).
     Raises (in forward): as :func:`fused_preact.modules.run_units` (bad rank or channels, forced backend that
@@ -85,7 +85,7 @@ class ConvertedPreActBlock(FusedModuleBase):
         # the original forward's class and attributes, to run it on the current children
         self._source_cls = type(block)
         self._source_state = {k: v for k, v in block.__dict__.items() if k != "_modules"}
-        self.layout = _layout(self)
+        self._convert_layout = _layout(self)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, shortcut={_MODES[self.shortcut_mode]!r}, source={self.source_type}"
@@ -95,7 +95,7 @@ class ConvertedPreActBlock(FusedModuleBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(N, C, H, W) → the original block's output; see the class docstring."""
-        if _layout(self) != self.layout:
+        if _layout(self) != self._convert_layout:
             return self._source_forward(x)
         mods = self._modules
         steps = [(mods[n], mods[c]) for n, c in self.steps]
@@ -131,7 +131,8 @@ class ConvertedPreActBlock(FusedModuleBase):
     def _source_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The original class's forward on the block's current children and training mode."""
         now = dict(_layout(self))
-        changed = sorted({p for p, t in self.layout if now.get(p, None) is not t} | (now.keys() - dict(self.layout).keys()))
+        old = dict(self._convert_layout)
+        changed = sorted({p for p, t in old.items() if now.get(p, None) is not t} | (now.keys() - old.keys()))
         record_eager(self, f"its modules changed since convert() ({', '.join(changed)}): the original "
                            f"{self.source_type}.forward runs, unfused", x)
         block = self._source_cls.__new__(self._source_cls)
