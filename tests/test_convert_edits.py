@@ -212,3 +212,60 @@ def test_converted_block_stays_fused_when_a_child_is_replaced_by_one_of_its_type
     x = torch.randn(2, 4, 6, 6)
     assert_close(model(x), eager(x), torch.float32, "same-type replacement")
     assert model[0].last_backend == "triton" and model[0].fallback_reason is None
+
+
+class NoneDownsampleBlock(nn.Module):
+    """timm ``PreActBasic``'s identity case: ``downsample`` is a plain ``None`` attribute."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.norm1, self.conv1 = NormAct(c), nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.norm2, self.conv2 = NormAct(c), nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.downsample, self.drop_path = None, nn.Identity()
+
+    def forward(self, x):
+        a = self.norm1(x)
+        shortcut = self.downsample(a) if self.downsample is not None else x
+        return self.drop_path(self.conv2(self.norm2(self.conv1(a)))) + shortcut
+
+
+def test_edited_block_reads_children_over_its_original_attributes():
+    """A module assigned after ``convert()`` where the original block held a plain attribute of the
+    same name (timm's ``downsample = None``) is what the original forward then reads — not the
+    attribute's value at conversion (which ignored the new projection: output off by 4)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(NoneDownsampleBlock(4))
+    eager = copy.deepcopy(model)
+    _, report = convert(model, report=True)
+    assert [r.name for r in report.replaced] == ["0"], _reasons(report)
+    for m in (model, eager):
+        torch.manual_seed(1)
+        m[0].downsample = nn.Conv2d(4, 4, 1, bias=False)
+    x = torch.randn(2, 4, 6, 6)
+    assert_close(model(x), eager(x), torch.float32, "downsample set after convert")
+    assert "changed since convert() (downsample)" in model[0].fallback_reason
+
+
+def test_converted_block_stays_fused_under_sync_batchnorm_and_parametrizations():
+    """``convert_sync_batchnorm`` (BatchNorm2d → SyncBatchNorm) and a parametrization added after
+    ``convert()`` (spectral_norm: the conv becomes a parametrized Conv2d with a ``parametrizations``
+    child) are read by the fused path as they were: the block stays fused, and computes eager's."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    import fused_preact
+
+    torch.manual_seed(0)
+    model = nn.Sequential(CifarPreActBlock(4, 8, stride=2))
+    eager = copy.deepcopy(model)
+    convert(model, backend="triton")
+    model = fused_preact.convert_sync_batchnorm(model)  # no process group: plain batch statistics
+    assert type(model[0].bn1) is nn.SyncBatchNorm
+    for m in (model, eager):
+        torch.manual_seed(1)
+        spectral_norm(m[0].conv2)
+    x = torch.randn(2, 4, 6, 6)
+    model.eval()
+    eager.eval()
+    with torch.no_grad():
+        assert_close(model(x), eager(x), torch.float32, "sync BN + spectral_norm after convert")
+    assert model[0].last_backend == "triton" and model[0].fallback_reason is None

@@ -169,3 +169,28 @@ def test_nonfinite_output_gradient_pattern(geom, tiles, monkeypatch):
     assert dw_ref.isnan().any() and torch.isfinite(dw_ref).any()  # a pattern, not all-or-nothing
     for name, got, ref in zip(("input", "weight", "γ", "β"), grads[0], (grads[1][0], dw_ref, *grads[1][2:])):
         _assert_same_pattern(got, ref, f"{name} gradient")
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("dead", ["one", "all"])
+def test_fp16_channel_with_minus_inf_shift_is_dead(dead, train):
+    """fp16 (model.half()): a BatchNorm channel with β = −inf transforms to relu(−inf) = 0 everywhere,
+    as eager's: its scale still bounds fp16's exponent (a non-finite shift counted as 0 let the
+    exponent scale that channel's finite scale up to inf, and inf − inf made its weight gradient NaN;
+    with every channel dead, the whole output). Eager fp16's NaN/±inf pattern, on an ordinary input."""
+    torch.manual_seed(0)
+    fused = FusedBNReLUConv2d(16, 16, 3, padding=1, backend="triton")
+    with torch.no_grad():
+        fused.bn.weight.uniform_(0.5, 1.0)
+        fused.bn.bias.uniform_(-1.0, 1.0)
+        fused.bn.bias[3 if dead == "one" else slice(None)] = float("-inf")
+    eager = torch.nn.Sequential(torch.nn.BatchNorm2d(16), torch.nn.ReLU(), torch.nn.Conv2d(16, 16, 3, padding=1, bias=False))
+    eager.load_state_dict({k.replace("bn.", "0.").replace("conv.", "2."): v for k, v in fused.state_dict().items()})
+    fused, eager = fused.to(DEVICE).half().train(train), eager.to(DEVICE).half().train(train)
+    x = torch.randn(2, 16, 6, 6, device=DEVICE).half()
+    (yf, dxf, gf, _), (ye, dxe, ge, _) = _run(fused, eager, x)
+    assert fused.last_backend == "triton"
+    _assert_same_pattern(yf, ye, "output")
+    _assert_same_pattern(dxf, dxe, "input gradient")
+    for (name, a), b in zip(gf.items(), ge.values()):
+        _assert_same_pattern(a, b, f"grad {name}")

@@ -129,17 +129,21 @@ class ConvertedPreActBlock(FusedModuleBase):
         return run_units(self, x, steps, residual="input" if identity else sc)[0]
 
     def _source_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The original class's forward on the block's current children and training mode."""
+        """The original class's forward on the block's current children, training mode and public
+        attributes (the original's, as set on this block since), called without module hooks (this
+        block's call runs them)."""
         now = dict(_layout(self))
         old = dict(self._convert_layout)
         changed = sorted({p for p, t in old.items() if now.get(p, None) is not t} | (now.keys() - old.keys()))
         record_eager(self, f"its modules changed since convert() ({', '.join(changed)}): the original "
                            f"{self.source_type}.forward runs, unfused", x)
+        state = {k: v for k, v in self._source_state.items() if k not in self._modules}  # a child now
+        state.update((k, v) for k, v in self.__dict__.items() if k in state and not k.startswith("_"))
         block = self._source_cls.__new__(self._source_cls)
-        block.__dict__.update(self._source_state)
+        block.__dict__.update(state)
         block.__dict__["_modules"] = self._modules
         block.__dict__["training"] = self.training
-        return block(x)
+        return block.forward(x)
 
     def _proj_containers(self) -> list[nn.Module]:
         """The modules around the fused projection conv on its path (e.g. a ``Sequential(conv)``)."""
@@ -151,12 +155,22 @@ class ConvertedPreActBlock(FusedModuleBase):
 
 
 def _layout(block: nn.Module) -> tuple[tuple[str, type], ...]:
-    """((path, type), …) of every module below ``block`` (``None`` entries too), depth first."""
+    """((path, kind), …) of every module below ``block`` (``None`` entries too), depth first. A
+    module's kind is its class, read as the fused path reads it: a ``torch.nn.utils.parametrize``
+    class as the class it parametrizes (its ``parametrizations`` are not listed: the fused path
+    evaluates them), ``nn.SyncBatchNorm`` as ``nn.BatchNorm2d`` (``convert_sync_batchnorm`` keeps
+    converted blocks fused)."""
     out, stack = [], [("", block)]
     while stack:
         prefix, m = stack.pop()
+        parametrized = nn.utils.parametrize.is_parametrized(m)
         for name, child in m._modules.items():
-            out.append((prefix + name, type(child)))
+            if parametrized and name == "parametrizations":
+                continue
+            kind = type(child)
+            if child is not None and nn.utils.parametrize.is_parametrized(child):
+                kind = kind.__bases__[0]
+            out.append((prefix + name, nn.BatchNorm2d if kind is nn.SyncBatchNorm else kind))
             if child is not None:
                 stack.append((f"{prefix}{name}.", child))
     return tuple(out)

@@ -29,13 +29,21 @@ _FP16_UP_BELOW = tl.constexpr(127 - 2)
 
 
 @triton.jit
+def _finite_abs(v):
+    """|v| where it is finite, else 0 (NaN and ±inf are not counted)."""
+    a = tl.abs(v)
+    return tl.where(a < float("inf"), a, 0.0)
+
+
+@triton.jit
 def _absmax16(mean, scale, shift, DT: tl.constexpr, WITH_SHIFT: tl.constexpr):
     """Per channel, the largest of |scale| and |shift + m̃·scale| (with WITH_SHIFT also |shift|, the
-    value ``(0 − m̃)·s̃ + b̃`` approaches) that is finite, else 0 (NaN and inf are not counted)."""
-    v = tl.maximum(tl.abs(scale), tl.abs(tl.fma(mean.to(DT).to(tl.float32), scale, shift)))
+    value ``(0 − m̃)·s̃ + b̃`` approaches), each counted where it is finite (a channel with β = −inf
+    still bounds the exponent by its scale); 0 if none is."""
+    v = tl.maximum(_finite_abs(scale), _finite_abs(tl.fma(mean.to(DT).to(tl.float32), scale, shift)))
     if WITH_SHIFT:
-        v = tl.maximum(v, tl.abs(shift))
-    return tl.where(v < float("inf"), v, 0.0)
+        v = tl.maximum(v, _finite_abs(shift))
+    return v
 
 
 @triton.jit
@@ -59,11 +67,12 @@ def _pow2_exponent(absmax, UP: tl.constexpr):
     with UP (16-bit activations) also e < 0 where absmax < 1/4, so that absmax·2^−e ∈ [1/4, 1/2):
     vectors below fp16's normal range (6.1e-5: a BatchNorm scale γ/σ of a wide input) keep their
     precision, and since |x − m̃| ≤ 2·65504 for 16-bit x and each of |s̃|, |b̃| is then < 1/2, the
-    scaled pre-activation stays finite. e ≥ −100 (2^e and 2^−e normal in fp32)."""
+    scaled pre-activation stays finite. e ≥ −100 (2^e and 2^−e normal in fp32); 0 for an absmax of 0
+    (no finite nonzero vector: nothing to bring into range, and a non-finite one must not be scaled)."""
     biased = (absmax.to(tl.int32, bitcast=True) >> 23) & 0xFF
     e = tl.maximum(biased - _FP16_EXP_LIMIT, 0)
     if UP:
-        e = tl.where(biased < _FP16_UP_BELOW, tl.maximum(biased - _FP16_UP_BELOW, -100), e)
+        e = tl.where((biased < _FP16_UP_BELOW) & (absmax > 0.0), tl.maximum(biased - _FP16_UP_BELOW, -100), e)
     return e
 
 
