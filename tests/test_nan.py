@@ -172,22 +172,35 @@ def test_nonfinite_output_gradient_pattern(geom, tiles, monkeypatch):
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("dead", ["one", "all"])
+@pytest.mark.parametrize("dead", ["one", "all", "one-beside-tiny-scales"])
 def test_fp16_channel_with_minus_inf_shift_is_dead(dead, train):
     """fp16 (model.half()): a BatchNorm channel with β = −inf transforms to relu(−inf) = 0 everywhere,
-    as eager's: its scale still bounds fp16's exponent (a non-finite shift counted as 0 let the
-    exponent scale that channel's finite scale up to inf, and inf − inf made its weight gradient NaN;
-    with every channel dead, the whole output). Eager fp16's NaN/±inf pattern, on an ordinary input."""
+    as eager's: its scale still bounds fp16's exponent, which would otherwise scale its finite scale
+    up to inf (inf − inf = NaN) — from 0 (a non-finite shift counted as 0: that channel's weight
+    gradient NaN, with every channel dead the whole output), or from the other channels' tiny scales
+    (γ/σ ≈ 3e-6, which the forward's one exponent per call brings into fp16's range). Eager fp16's
+    NaN/±inf pattern."""
+    if dead == "one-beside-tiny-scales" and not train:
+        pytest.skip("σ = 1000 overflows an fp16 running_var (eager too)")
     torch.manual_seed(0)
     fused = FusedBNReLUConv2d(16, 16, 3, padding=1, backend="triton")
+    tiny = dead == "one-beside-tiny-scales"
     with torch.no_grad():
         fused.bn.weight.uniform_(0.5, 1.0)
         fused.bn.bias.uniform_(-1.0, 1.0)
-        fused.bn.bias[3 if dead == "one" else slice(None)] = float("-inf")
+        if tiny:
+            fused.bn.weight.fill_(0.003)
+            fused.bn.bias.zero_()
+            fused.bn.weight[3] = 1.0
+        fused.bn.bias[3 if dead != "all" else slice(None)] = float("-inf")
     eager = torch.nn.Sequential(torch.nn.BatchNorm2d(16), torch.nn.ReLU(), torch.nn.Conv2d(16, 16, 3, padding=1, bias=False))
     eager.load_state_dict({k.replace("bn.", "0.").replace("conv.", "2."): v for k, v in fused.state_dict().items()})
     fused, eager = fused.to(DEVICE).half().train(train), eager.to(DEVICE).half().train(train)
-    x = torch.randn(2, 16, 6, 6, device=DEVICE).half()
+    x = torch.randn(2, 16, 6, 6, device=DEVICE)
+    if tiny:
+        x = x * 1000.0
+        x[:, 3] /= 1000.0  # channel 3: σ = 1, scale γ/σ = 1
+    x = x.half()
     (yf, dxf, gf, _), (ye, dxe, ge, _) = _run(fused, eager, x)
     assert fused.last_backend == "triton"
     _assert_same_pattern(yf, ye, "output")

@@ -29,20 +29,23 @@ _FP16_UP_BELOW = tl.constexpr(127 - 2)
 
 
 @triton.jit
-def _finite_abs(v):
-    """|v| where it is finite, else 0 (NaN and ±inf are not counted)."""
-    a = tl.abs(v)
-    return tl.where(a < float("inf"), a, 0.0)
-
-
-@triton.jit
-def _absmax16(mean, scale, shift, DT: tl.constexpr, WITH_SHIFT: tl.constexpr):
+def _absmax16(mean, scale, shift, DT: tl.constexpr, WITH_SHIFT: tl.constexpr, PER_TERM: tl.constexpr):
     """Per channel, the largest of |scale| and |shift + m̃·scale| (with WITH_SHIFT also |shift|, the
-    value ``(0 − m̃)·s̃ + b̃`` approaches), each counted where it is finite (a channel with β = −inf
-    still bounds the exponent by its scale); 0 if none is."""
-    v = tl.maximum(_finite_abs(scale), _finite_abs(tl.fma(mean.to(DT).to(tl.float32), scale, shift)))
-    if WITH_SHIFT:
-        v = tl.maximum(v, _finite_abs(shift))
+    value ``(0 − m̃)·s̃ + b̃`` approaches) if it is finite, else 0 (NaN and inf are not counted); with
+    PER_TERM each term counted where it is finite (a channel with β = −inf still bounds a call's
+    exponent by its scale: scaled up from the other channels' tiny vectors, its finite scale would
+    make inf − inf = NaN)."""
+    t = tl.fma(mean.to(DT).to(tl.float32), scale, shift)
+    if PER_TERM:
+        v = tl.maximum(tl.where(tl.abs(scale) < float("inf"), tl.abs(scale), 0.0),
+                       tl.where(tl.abs(t) < float("inf"), tl.abs(t), 0.0))
+        if WITH_SHIFT:
+            v = tl.maximum(v, tl.where(tl.abs(shift) < float("inf"), tl.abs(shift), 0.0))
+    else:
+        v = tl.maximum(tl.abs(scale), tl.abs(t))
+        if WITH_SHIFT:
+            v = tl.maximum(v, tl.abs(shift))
+        v = tl.where(v < float("inf"), v, 0.0)
     return v
 
 
@@ -57,7 +60,7 @@ def _pack16_absmax(pack_ptr, c_lo, n_ch, C, DT: tl.constexpr, BLOCK: tl.constexp
         mean = tl.load(pack_ptr + cols, mask=cm, other=0.0)
         scale = tl.load(pack_ptr + 3 * C + cols, mask=cm, other=0.0)
         shift = tl.load(pack_ptr + 4 * C + cols, mask=cm, other=0.0)
-        mx = tl.maximum(mx, _absmax16(mean, scale, shift, DT, False))
+        mx = tl.maximum(mx, _absmax16(mean, scale, shift, DT, False, True))
     return tl.max(mx, axis=0)
 
 
@@ -68,7 +71,8 @@ def _pow2_exponent(absmax, UP: tl.constexpr):
     vectors below fp16's normal range (6.1e-5: a BatchNorm scale γ/σ of a wide input) keep their
     precision, and since |x − m̃| ≤ 2·65504 for 16-bit x and each of |s̃|, |b̃| is then < 1/2, the
     scaled pre-activation stays finite. e ≥ −100 (2^e and 2^−e normal in fp32); 0 for an absmax of 0
-    (no finite nonzero vector: nothing to bring into range, and a non-finite one must not be scaled)."""
+    (a channel's :func:`_absmax16` with a non-finite vector, e.g. β = −inf, or all-zero vectors: a
+    finite scale beside an infinite shift must not be scaled up to inf, where inf − inf is NaN)."""
     biased = (absmax.to(tl.int32, bitcast=True) >> 23) & 0xFF
     e = tl.maximum(biased - _FP16_EXP_LIMIT, 0)
     if UP:
@@ -100,7 +104,7 @@ def _channel_exponent(mean, scale, shift, DT: tl.constexpr):
     covers |shift| too: a masked (zero) x transforms to about shift·2^−e, which must stay finite. An
     elementwise e: a reduction over channels would take the transform out of the MMA operand layout."""
     if DT == tl.float16:
-        e = _pow2_exponent(_absmax16(mean, scale, shift, DT, True), True)
+        e = _pow2_exponent(_absmax16(mean, scale, shift, DT, True, False), True)
     else:
         e = 0
     return e
