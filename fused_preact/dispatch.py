@@ -86,14 +86,17 @@ class DispatchReport(list):
     measured, one candidate), ``forced`` for a named backend, ``last call`` for a module's latest call
     when it ran something no cached entry says (an eager fallback decided before the plan cache —
     hooks, child types, a shortcut the chains do not take — or a cached choice overruled for one call,
-    e.g. by forward-mode AD). ``requested``/``memory`` are those the entry was decided under.
+    e.g. by forward-mode AD), ``traced`` for a module whose calls were all traced by ``torch.compile``
+    (a traced call leaves no plan-cache entry; the entry is the module's ``last_backend`` and
+    ``fallback_reason``, which record what its compiled graph runs). ``requested``/``memory`` are
+    those the entry was decided under.
     ``str()`` gives one line per entry.
     """
 
     def __str__(self) -> str:
         if not self:
             return "fused_preact.dispatch_report: no fused module has run yet"
-        n = sum(e["source"] != "last call" for e in self)
+        n = sum(e["source"] not in ("last call", "traced") for e in self)
         lines = [f"fused_preact.dispatch_report: {n} signature(s)" + (f", {len(self) - n} other latest call(s)"
                                                                      if n < len(self) else "")]
         for e in self:
@@ -143,6 +146,10 @@ def dispatch_report(model: nn.Module) -> DispatchReport:
                 report.append(dict(module=name, type=type(m).__name__, requested=last.requested, memory=last.memory,
                                    runs=last.runs, reason=last.reason, source="last call", signature=None, timed=None,
                                    note=None, candidates=[]))
+        elif not plans and getattr(m, "last_backend", None) is not None:
+            report.append(dict(module=name, type=type(m).__name__, requested=getattr(m, "backend", None),
+                               memory=getattr(m, "memory", "fastest"), runs=m.last_backend, reason=m.fallback_reason,
+                               source="traced", signature=None, timed=None, note=None, candidates=[]))
     return report
 
 

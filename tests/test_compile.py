@@ -77,3 +77,18 @@ def test_compiled_model_fullgraph_matches_eager():
     assert_close(ya, yb, torch.float32, "forward")
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert_close(p.grad, q.grad, torch.float32, f"grad {name}")
+
+
+def test_dispatch_report_after_compiled_calls_only():
+    """A module whose calls were all traced by torch.compile has no plan-cache entry (a traced call
+    keeps no Python state): dispatch_report() lists what its graph runs from the module's own record
+    (``last_backend``, ``fallback_reason``) as ``traced``, not nothing."""
+    from fused_preact.dispatch import dispatch_report
+
+    torch.manual_seed(0)
+    m = FusedPreActBlock(8, 8, backend="auto").to(DEVICE)
+    torch.compile(m, backend="aot_eager")(torch.randn(2, 8, 6, 6, device=DEVICE))
+    report = dispatch_report(m)
+    assert len(report) == 1 and report[0]["source"] == "traced", report
+    assert (report[0]["runs"], report[0]["reason"]) == (m.last_backend, m.fallback_reason) and m.last_backend
+    assert "[traced]" in str(report)
