@@ -86,10 +86,11 @@ class DispatchReport(list):
     measured, one candidate), ``forced`` for a named backend, ``last call`` for a module's latest call
     when it ran something no cached entry says (an eager fallback decided before the plan cache —
     hooks, child types, a shortcut the chains do not take — or a cached choice overruled for one call,
-    e.g. by forward-mode AD), ``traced`` for a module whose calls were all traced by ``torch.compile``
-    (a traced call leaves no plan-cache entry; the entry is the module's ``last_backend`` and
-    ``fallback_reason``, which record what its compiled graph runs). ``requested``/``memory`` are
-    those the entry was decided under.
+    e.g. by forward-mode AD), ``traced`` for a module whose latest call was traced by
+    ``torch.compile`` and that has no plan-cache entry (a traced call leaves none; the entry is the
+    module's ``last_backend`` and ``fallback_reason``, which record what its compiled graph runs,
+    shown while its backend, memory policy, device and dtype are still those of that call).
+    ``requested``/``memory`` are those the entry was decided under.
     ``str()`` gives one line per entry.
     """
 
@@ -146,10 +147,11 @@ def dispatch_report(model: nn.Module) -> DispatchReport:
                 report.append(dict(module=name, type=type(m).__name__, requested=last.requested, memory=last.memory,
                                    runs=last.runs, reason=last.reason, source="last call", signature=None, timed=None,
                                    note=None, candidates=[]))
-        elif not plans and getattr(m, "last_backend", None) is not None:
-            report.append(dict(module=name, type=type(m).__name__, requested=getattr(m, "backend", None),
-                               memory=getattr(m, "memory", "fastest"), runs=m.last_backend, reason=m.fallback_reason,
-                               source="traced", signature=None, timed=None, note=None, candidates=[]))
+        elif (not plans and m.last_backend is not None and getattr(m, "_traced", None)
+              == (getattr(m, "backend", None), getattr(m, "memory", "fastest"))):
+            report.append(dict(module=name, type=type(m).__name__, requested=m._traced[0], memory=m._traced[1],
+                               runs=m.last_backend, reason=m.fallback_reason, source="traced", signature=None,
+                               timed=None, note=None, candidates=[]))
     return report
 
 

@@ -295,7 +295,11 @@ def _synchronized_units(owner, x, units, proj, proj_out, residual):
 def _record(owner: nn.Module, name: str, reason: Optional[str], x: torch.Tensor, stacklevel: int = 3) -> None:
     """Set ``owner.last_backend`` / ``fallback_reason``; a new fallback reason is warned on CUDA and
     logged on the ``fused_preact`` logger otherwise — except while ``torch.compile`` traces (logging
-    would break the graph; the attributes still record what the compiled graph runs)."""
+    would break the graph; the attributes still record what the compiled graph runs, and
+    ``owner._traced`` the (backend, memory) of a traced call, None after an eager one)."""
+    traced = (owner.backend, getattr(owner, "memory", "fastest")) if torch.compiler.is_compiling() else None
+    if getattr(owner, "_traced", None) != traced:
+        owner._traced = traced
     if owner.last_backend != name or owner.fallback_reason != reason:
         owner.last_backend = name
         owner.fallback_reason = reason
@@ -347,6 +351,7 @@ class FusedModuleBase(nn.Module):
 
     def _apply(self, fn, recurse=True):
         self._plans.clear()
+        self._traced = None
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
@@ -366,6 +371,7 @@ def init_fused_state(module: nn.Module, backend: str, memory: str = "fastest") -
     module.backend = check_backend_name(backend)
     module.last_backend = None
     module.fallback_reason = None
+    module._traced = None
     module._plans = PlanCache()
 
 

@@ -92,3 +92,9 @@ def test_dispatch_report_after_compiled_calls_only():
     assert len(report) == 1 and report[0]["source"] == "traced", report
     assert (report[0]["runs"], report[0]["reason"]) == (m.last_backend, m.fallback_reason) and m.last_backend
     assert "[traced]" in str(report)
+    m.memory = "lean"  # another policy: the record no longer describes the module
+    assert len(dispatch_report(m)) == 0
+    m.memory = "fastest"
+    assert len(dispatch_report(m)) == 1
+    m.to(DEVICE)  # _apply: plans and the record rebuilt on the next call
+    assert len(dispatch_report(m)) == 0

@@ -214,6 +214,7 @@ class FusedSequential(nn.Sequential):
 
     def _apply(self, fn, recurse=True):
         self._plans.clear()
+        self._traced = None
         return super()._apply(fn, recurse)
 
     def __getitem__(self, idx):
