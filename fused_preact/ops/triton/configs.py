@@ -178,7 +178,7 @@ def _narrow_wgrad_tiles(Kg: int, Cg: int, dtype: torch.dtype, arch: int, x32: bo
     memory in 3 stages, so sm_86/89's 99 KiB hold it too; bf16's 256 and 512 rows, up to 160 KiB, are
     candidates; fp16's spill with 16 channels). Static, sm_80, PreActResNet-164 (issue ratio; MMA
     utilization 0.25 → 1 with 16 channels, 0.5 → 1 with 32): 3×3 16→16 1.80 → 1.08, 1×1 16→16
-    1.12 → 0.96, 1×1 16→64 0.61 → 0.48, 3×3 32→32 1.08 → 0.80 (stride 2: 1.17 → 0.85), 1×1 32→128
+    1.12 → 0.96, 1×1 16→64 0.61 → 0.47, 3×3 32→32 1.08 → 0.80 (stride 2: 1.17 → 0.85), 1×1 32→128
     0.39 → 0.33."""
     bn = p2(Cg, 16, 32)
     bm = min(p2(Kg, 16, 128), 4 * bn)
