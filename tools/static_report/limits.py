@@ -2,13 +2,17 @@
 
 :func:`check_entries`: every compilation must compile, keep within the arch's shared memory per
 block, use no stack (register spills), and a convolution must have tensor-core instructions, async
-operand copies and no 16/8-bit scalar operand loads in a 16-bit dtype.
+operand copies (but a one-step launch, which loads its operands once and has no loop to overlap them
+with: :func:`~tools.static_report.loop_limits.one_step`) and no 16/8-bit scalar operand loads in a
+16-bit dtype.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Sequence
+
+from tools.static_report.loop_limits import one_step
 
 __all__ = ["SMEM_LIMIT", "check_entries"]
 
@@ -21,11 +25,12 @@ def _operand_load_problems(e: dict) -> list[str]:
     """A convolution's operand tiles must reach the tensor cores through async copies (cp.async or TMA)
     or wide loads: no async copy at all, or — in a 16-bit dtype, where every sub-32-bit global load
     is an element-wise load of an activation, gradient or weight tile — any 16/8-bit LDG or LDGSTS
-    fails. (32-bit loads are left alone: fp32 per-channel vectors such as scale/shift are spread one
-    element per thread, and in fp32 they cannot be told apart from operand loads.)"""
+    fails (32-bit loads are left alone: fp32 per-channel vectors such as scale/shift are spread one
+    element per thread, and in fp32 they cannot be told apart from operand loads). A one-step launch
+    (no loop to overlap a copy with) needs no async copy."""
     why = []
     asyncs = e.get("async_copies", {})
-    if not (asyncs.get("LDGSTS", 0) or asyncs.get("UTMALDG", 0)):
+    if not (asyncs.get("LDGSTS", 0) or asyncs.get("UTMALDG", 0) or one_step(e)):
         why.append("no async global→shared copies (LDGSTS/UTMALDG) for the operands")
     if e.get("dtype") in ("bf16", "fp16"):
         narrow = sum(e.get(key, {}).get(w, 0) for key in ("ldg_by_width", "ldgsts_by_width") for w in ("16", "8"))

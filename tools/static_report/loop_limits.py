@@ -18,6 +18,13 @@ over the compilations whose role is ``default`` (entries without roles count as 
 Both only grow when more layers are added, so a run restricted to some layers never reports a larger
 figure than the full run.
 
+One-step launches (:func:`one_step`: a 1×1 whose reduction, and its projection's, is a single
+``BLOCK_K`` step, launched with the kernel's ``ONE_STEP``) have no main loop: their trip counts are
+constants and Triton folds the loops away. There is no steady state to hold to these limits — such a
+kernel loads its operands once, and its time is its loads, one batch of MMAs and the epilogue — so
+they add no figure to ``default``, and a layer with a one-step candidate has a candidate that meets
+every limit. A compilation that declares ONE_STEP and still has a loop is judged like any other.
+
 Ratchet: the kernels do not meet the limits yet, so the offending figures of today are committed in
 a baseline file (:data:`DEFAULT_BASELINE`). ``--check`` fails on an offending (variant, limit, side)
 the baseline does not list, and on one whose figure exceeds the baseline's by more than
@@ -35,7 +42,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-__all__ = ["LoopLimit", "limits_for", "variant_key", "loop_figures", "check_loops", "update_baseline",
+__all__ = ["LoopLimit", "limits_for", "variant_key", "one_step", "loop_figures", "check_loops", "update_baseline",
            "load_baseline", "write_baseline", "TOLERANCE", "DEFAULT_BASELINE"]
 
 #: Relative growth of a baselined figure that ``--check`` tolerates (code motion between compilers).
@@ -102,10 +109,16 @@ def variant_key(e: dict) -> str:
     return f"{e['kind']} {e['kernel']} [{e.get('variant', '')}] {e.get('dtype', '')} {e['arch']}"
 
 
+def one_step(e: dict) -> bool:
+    """Whether report entry ``e`` is a one-step launch without a main loop (module docstring): its
+    ``ONE_STEP`` constexpr is true and its SASS has no MMA loop."""
+    return str(e.get("constexprs", {}).get("ONE_STEP")) == "True" and e.get("loop") is None
+
+
 def _worst_of_layer_bests(cands: Sequence[dict], fig: Callable[[dict], float]) -> Optional[float]:
     layers: dict[str, float] = {}
     for e in cands:
-        v = fig(e)
+        v = 0.0 if one_step(e) else fig(e)
         for s in e.get("shapes") or [""]:
             layers[s] = min(layers.get(s, v), v)
     return max(layers.values()) if layers else None
@@ -113,14 +126,19 @@ def _worst_of_layer_bests(cands: Sequence[dict], fig: Callable[[dict], float]) -
 
 def loop_figures(entries: Sequence[dict]) -> tuple[dict[str, dict], list[str]]:
     """(figures, problems). figures: ``{variant_key: {figure: {"limit", "default", "candidate"}}}`` for
-    every variant with limits (module docstring for the sides). problems: entries with limits that
-    cannot be judged (no main loop, or MMAs the model does not cover), which ``--check`` fails outright."""
+    every variant with limits (module docstring for the sides; one-step launches count as candidates
+    that meet every limit, and add nothing to ``default``, which is None where every default is one).
+    problems: entries with limits that cannot be judged (no main loop and not one-step, or MMAs the
+    model does not cover), which ``--check`` fails outright."""
     groups: dict[str, list[dict]] = defaultdict(list)
     problems = []
     for e in entries:
         if "error" in e or not limits_for(e):
             continue
         lp = e.get("loop")
+        if one_step(e):
+            groups[variant_key(e)].append(e)
+            continue
         if lp is None or lp["issue_ratio"] is None:
             why = "no main loop with tensor-core instructions" if lp is None else "MMAs the model does not cover"
             problems.append(f"{variant_key(e)} [{e.get('config')}]: {why}")
@@ -128,7 +146,7 @@ def loop_figures(entries: Sequence[dict]) -> tuple[dict[str, dict], list[str]]:
         groups[variant_key(e)].append(e)
     out: dict[str, dict] = {}
     for key, es in groups.items():
-        defaults = [e for e in es if not e.get("roles") or "default" in e["roles"]]
+        defaults = [e for e in es if (not e.get("roles") or "default" in e["roles"]) and not one_step(e)]
         cands = [e for e in es if "candidate" in e.get("roles", ())]
         out[key] = {}
         for lim in limits_for(es[0]):

@@ -67,6 +67,7 @@ from tools.static_report.loop_limits import (
     check_loops,
     load_baseline,
     loop_figures,
+    one_step,
     update_baseline,
     write_baseline,
 )
@@ -112,7 +113,7 @@ def _loop_cells(es: Sequence[dict]) -> list[str]:
     """Main-loop columns of a table row: ranges over the compilations that have a main loop."""
     loops = [e["loop"] for e in es if e.get("loop")]
     if not loops:
-        return ["-"] * 7
+        return ["1 step" if es and all(one_step(e) for e in es) else "-"] + ["-"] * 6
     ratios = [lp["issue_ratio"] for lp in loops if lp["issue_ratio"] is not None]
     waits = [min(lp["wgmma_waits"]) for lp in loops if lp["wgmma_waits"]]
     utils = [min(e["mma_util"].values()) for e in es if e.get("loop") and e.get("mma_util")]
@@ -128,7 +129,8 @@ def format_table(entries: Sequence[dict], full: bool = False) -> str:
     and LDGSTS widths as ``bits:count``, and the main loop's per-iteration figures (``loop``, see
     :func:`tools.static_report.sass.loop_stats`): instructions, MMAs, issue ratio, the smallest MMA
     utilization over its layers (:mod:`tools.static_report.utilization`), the smallest wgmma wait depth,
-    BAR.SYNC count, integer divisions; ``-`` where a compilation has no MMA loop."""
+    BAR.SYNC count, integer divisions; ``-`` where a compilation has no MMA loop (``1 step`` in the first
+    where it is a one-step launch, :func:`~tools.static_report.loop_limits.one_step`)."""
     rows: dict[tuple, list[dict]] = defaultdict(list)
     for e in entries:
         k = (e["kind"], e["kernel"], e["config"], e["dtype"], e["arch"])

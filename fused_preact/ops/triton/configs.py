@@ -51,6 +51,17 @@ class GemmConfig:
         return f"{self.BLOCK_M}x{self.BLOCK_N}x{self.BLOCK_K}_w{self.num_warps}_s{self.num_stages}{u}{t}"
 
 
+def one_step_tile(cfg: GemmConfig) -> bool:
+    """Whether a fprop or dgrad tile may run a one-step reduction without its loop (the kernels'
+    ``ONE_STEP``, where the layer's channels fit one step): up to 128×64×32 MACs per step. Without the
+    loop Triton loads the operands through registers, not async copies into shared memory, and larger
+    tiles reach the 255-register limit (static, sm_80: a 128×64×64 fprop beside a projection takes
+    255 and spills, 218 as a loop; a 64×128×64 dgrad with the residual spills on sm_90); smaller ones
+    need fewer registers and a third of the shared memory (PreActResNet-164's 128×64×16 fprop beside
+    its projection on sm_90: 208 → 127 registers, 29 → 9 KiB). The interpreter takes any tile."""
+    return interpreting() or cfg.BLOCK_M * cfg.BLOCK_N * cfg.BLOCK_K <= 128 * 64 * 32
+
+
 def fprop_unroll(cfg: GemmConfig, dtype: torch.dtype, arch: int) -> GemmConfig:
     """``cfg`` with fprop's main loop unrolled twice, into two accumulators (``kernels_fprop``'s UNROLL),
     where that keeps the wgmma pipeline and compiles without spills: 16-bit compute, and on sm_90

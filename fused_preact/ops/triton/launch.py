@@ -19,7 +19,7 @@ from fused_preact.ops.spec import BNMode, ConvGeom
 from fused_preact.ops.triton import kernels_bn as BK
 from fused_preact.ops.triton import kernels_conv as CK
 from fused_preact.ops.triton import kernels_fprop as FK
-from fused_preact.ops.triton.configs import FOLD_BLOCK, GemmConfig, UnitPlan, p2
+from fused_preact.ops.triton.configs import FOLD_BLOCK, GemmConfig, UnitPlan, one_step_tile, p2
 
 __all__ = ["Launch", "recording", "magic", "stats_partial", "finalize", "fprop", "dgrad", "wgrad", "dx"]
 
@@ -177,14 +177,17 @@ def fprop(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Tensor, 
     w2_strides = proj_w.stride()[:2] if proj_w is not None else (0, 0)
     args = (x, *u.in_strides, w, *w.stride(), pack, bias, x0, *x0_strides, proj_w, *w2_strides, pack0,
             y, *u.out_strides, part, u.M_out)
-    block_k2 = p2(C2, 16, 256 if interpreting() else cfg.BLOCK_K)
+    block_k2 = p2(C2, 16, cfg.BLOCK_K)
     Cg, Kg = u.in_shape[1] // g.groups, K // g.groups
     even_c = Cg % cfg.BLOCK_K == 0 and (proj_w is None or C2 % block_k2 == 0)
+    # each reduction a single step: the kernel's loops fold away
+    one_step = (g.kernel == (1, 1) and Cg <= cfg.BLOCK_K and (proj_w is None or C2 <= block_k2)
+                and one_step_tile(cfg))
     pro16 = _pro16(cdtype)
     kw = dict(**_geo(g, u.in_shape, u.out_shape), H2=x0_shape[2], W2=x0_shape[3], C2=C2, STRIDE2=proj_stride,
               HAS_BIAS=bias is not None, HAS_PROJ=proj_w is not None, HAS_RES=residual, STATS=part is not None,
               **_dot(cdtype, idx64), PRO16=pro16, EVEN_C=even_c, EVEN_N=Kg % cfg.BLOCK_N == 0,
-              ONE_CK=Cg <= cfg.BLOCK_K, QUAD=quad,
+              ONE_CK=Cg <= cfg.BLOCK_K, QUAD=quad, ONE_STEP=one_step,
               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, BLOCK_K2=block_k2,
               UNROLL=cfg.unroll, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if _recorder is not None:
@@ -212,13 +215,17 @@ def dgrad(u: UnitPlan, *, dy: torch.Tensor, dy_strides, w: torch.Tensor, x: torc
             out, *out_strides, res, *res_strides, psum, u.M_in)
     # the projection's reduction in 64-deep steps also beside a narrower main loop (a 16-deep step is
     # one 8-clock MMA of a 16-channel tile, under the loop's fixed cost); fp32 keeps its 32-deep ones
-    block_k2 = p2(K2, 16, 256 if interpreting() else cfg.BLOCK_K if cdtype == torch.float32 else max(cfg.BLOCK_K, 64))
+    block_k2 = p2(K2, 16, cfg.BLOCK_K if cdtype == torch.float32 else max(cfg.BLOCK_K, 64))
+    Kg = u.out_shape[1] // g.groups
+    # each reduction a single step: the kernel's loops fold away
+    one_step = (g.kernel == (1, 1) and g.stride == (1, 1) and cfg.slots == 1 and Kg <= cfg.BLOCK_K
+                and (w2 is None or K2 <= block_k2) and one_step_tile(cfg))
     kw = dict(**_geo(g, u.in_shape, u.out_shape), P2=dy2_shape[2], Q2=dy2_shape[3], K2=K2, STRIDE2=proj_stride,
               HAS_PROJ=w2 is not None, WRITE_DX=write_dx, HAS_RES=res is not None,
-              EVEN_K=u.out_shape[1] // g.groups % (cfg.BLOCK_K // cfg.slots) == 0, EVEN_N=C // g.groups % cfg.BLOCK_N == 0,
+              EVEN_K=Kg % (cfg.BLOCK_K // cfg.slots) == 0, EVEN_N=C // g.groups % cfg.BLOCK_N == 0,
               EVEN_K2=K2 % block_k2 == 0, **_dot(cdtype, idx64), ASM=not interpreting(),
               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, BLOCK_K2=block_k2, SLOTS=cfg.slots,
-              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+              ONE_STEP=one_step, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if _recorder is not None:
         _record("dgrad", CK._dgrad_kernel, grid, args, kw)
     else:
