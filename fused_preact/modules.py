@@ -39,7 +39,7 @@ from fused_preact.ops import (
 from fused_preact.ops.auto import check_memory
 from fused_preact.ops.backends import LastCall, check_backend_name
 from fused_preact.ops.chain import ChainResult
-from fused_preact.ops.spec import check_running_buffers, projection_problem
+from fused_preact.ops.spec import check_running_buffers, functorch_reasons, projection_problem
 from fused_preact.ops.sync_stats import sync_bn_statistics, sync_enabled
 
 __all__ = ["FusedBNReLUConv2d", "FusedPreActBlock", "FusedPreActBottleneck", "FusedModuleBase", "bottleneck_width",
@@ -59,7 +59,25 @@ def bn_mode(bn: nn.BatchNorm2d) -> BNMode:
     has_buffers = bn.running_mean is not None and bn.running_var is not None
     batch = bn.training or not has_buffers
     update = bn.training and bn.track_running_stats and has_buffers
-    return BNMode(BATCH if batch else RUNNING, bn.weight is not None, update, bn.momentum is None)
+    return BNMode(BATCH if batch else RUNNING, _affine(bn), update, bn.momentum is None)
+
+
+def _affine(bn: nn.BatchNorm2d) -> bool:
+    """Whether ``bn`` has a scale or a shift (either may be None: F.batch_norm takes γ = 1, β = 0 for
+    the missing one, e.g. a BatchNorm whose weight was removed to learn only a shift)."""
+    return bn.weight is not None or bn.bias is not None
+
+
+def _gamma_beta(bn: nn.BatchNorm2d) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``bn``'s (weight, bias), the missing one of the two filled in as F.batch_norm does (γ = 1,
+    β = 0); (None, None) without either."""
+    g, b = bn.weight, bn.bias
+    if (g is None) == (b is None):
+        return g, b
+    other = g if g is not None else b
+    fill = torch.ones if g is None else torch.zeros
+    value = fill(bn.num_features, device=other.device, dtype=other.dtype)
+    return (value, b) if g is None else (g, value)
 
 
 def _conv_reasons(conv: nn.Conv2d) -> list[str]:
@@ -77,8 +95,9 @@ def _tensors(units: list, proj: Optional[nn.Conv2d], residual: Optional[torch.Te
     for (bn, conv), mode in zip(units, modes):
         t.weights.append(conv.weight)
         t.biases.append(conv.bias)
-        t.gammas.append(bn.weight)
-        t.betas.append(bn.bias)
+        gamma, beta = _gamma_beta(bn)
+        t.gammas.append(gamma)
+        t.betas.append(beta)
         keep = mode.kind == RUNNING or mode.update
         t.running_means.append(bn.running_mean if keep else None)
         t.running_vars.append(bn.running_var if keep else None)
@@ -108,12 +127,14 @@ def _norm_act(bn: nn.Module) -> list[nn.Module]:
     return [act, drop] if isinstance(act, nn.Module) and isinstance(drop, nn.Module) else []
 
 
-def _type_reasons(units: list) -> list[str]:
+def _type_reasons(units: list, proj: Optional[nn.Module] = None) -> list[str]:
     """Children whose own forward the fused path would bypass: a BatchNorm that is not exactly
     ``nn.BatchNorm2d``/``nn.SyncBatchNorm`` (or a BatchNorm2d carrying ReLU ``act`` and Identity ``drop``,
-    timm's BatchNormAct2d), a conv that is not exactly ``nn.Conv2d``; e.g. a frozen-BN subclass or a
-    BatchNorm1d swapped in after ``convert()``."""
+    timm's BatchNormAct2d), a conv or projection that is not exactly ``nn.Conv2d``; e.g. a frozen-BN
+    subclass, a GroupNorm, an adapter around a conv or an ``nn.Identity`` swapped in after ``convert()``."""
     reasons = []
+    if proj is not None and not _exactly(proj, nn.Conv2d):
+        reasons.append(f"{type(proj).__name__} shortcut is not exactly nn.Conv2d (its own forward runs)")
     for bn, conv in units:
         act = _norm_act(bn)
         if not (_exactly(bn, nn.BatchNorm2d) or _exactly(bn, nn.SyncBatchNorm) or (
@@ -172,12 +193,17 @@ def run_units(owner: nn.Module, x: torch.Tensor, units: list, proj: Optional[nn.
     """
     modules = [m for pair in units for m in pair] + ([proj] if proj is not None else [])
     with _cached_parametrizations(modules):
-        _check_buffers(units)
-        convs = [c for _, c in units] + ([proj] if proj is not None else [])
-        eager_reasons = _type_reasons(units) + [r for c in convs for r in _conv_reasons(c)] + _hook_reasons(units, proj)
-        proj_problem = projection_problem(proj) if proj is not None else None
-        if proj_problem is not None:
-            eager_reasons.append(proj_problem)
+        # children of other types first: their own forward runs (and raises what it raises); the checks
+        # below read BatchNorm2d and Conv2d attributes
+        eager_reasons = _type_reasons(units, proj)
+        if not eager_reasons:
+            _check_buffers(units)
+            convs = [c for _, c in units] + ([proj] if proj is not None else [])
+            eager_reasons = [r for c in convs for r in _conv_reasons(c)]
+            proj_problem = projection_problem(proj) if proj is not None else None
+            if proj_problem is not None:
+                eager_reasons.append(proj_problem)
+        eager_reasons += _hook_reasons(units, proj) + functorch_reasons()
         if eager_reasons:
             record_eager(owner, "; ".join(eager_reasons), x)
             return _eager_units(x, units, proj, proj_out, residual)
@@ -276,7 +302,7 @@ def _synchronized_units(owner, x, units, proj, proj_out, residual):
             rm, rv = (bn.running_mean, bn.running_var) if mode.update else (None, None)
             fused = owner.backend != "reference" and not BACKENDS["triton"].not_supported_reasons(h)
             mean, invstd = sync_bn_statistics(h, rm, rv, factor, bn.eps, bn.process_group, fused=fused)
-            mode = BNMode(EXTERNAL, bn.weight is not None)
+            mode = BNMode(EXTERNAL, _affine(bn))
             t = _tensors([(bn, conv)], unit_proj, None, (mode,))
             t.ext_mean, t.ext_invstd = mean, invstd
         else:
@@ -334,7 +360,8 @@ def run_blocks(blocks: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
         if not chained[i]:
             x, stats = blk(x), None
             continue
-        want = i + 1 < len(blocks) and chained[i + 1] and bn_mode(blocks[i + 1].bn1).kind == BATCH
+        nxt = blocks[i + 1].bn1 if i + 1 < len(blocks) and chained[i + 1] else None
+        want = isinstance(nxt, nn.modules.batchnorm._BatchNorm) and bn_mode(nxt).kind == BATCH
         x, _, stats = run_units(blk, x, blk._units(), blk.shortcut, residual=blk._residual(), in_stats=stats,
                                 want_stats=want)
     return x

@@ -269,3 +269,60 @@ def test_converted_block_stays_fused_under_sync_batchnorm_and_parametrizations()
     with torch.no_grad():
         assert_close(model(x), eager(x), torch.float32, "sync BN + spectral_norm after convert")
     assert model[0].last_backend == "triton" and model[0].fallback_reason is None
+
+
+class ScheduledBlock(CifarPreActBlock):
+    """A residual scale and an inline dropout rate its forward reads (set by a training schedule)."""
+
+    def __init__(self, planes):
+        super().__init__(planes, planes)
+        self.drop_rate, self.res_scale = 0.0, 1.0
+
+    def forward(self, x):
+        out = F.dropout(self.conv1(F.relu(self.bn1(x))), p=self.drop_rate, training=self.training)
+        return x + self.res_scale * self.conv2(F.relu(self.bn2(out)))
+
+
+@pytest.mark.parametrize("attr, value", [("res_scale", 0.2), ("drop_rate", 0.5)])
+def test_converted_block_runs_its_original_forward_after_its_attributes_change(attr, value):
+    """A public attribute of the original block that its forward reads, assigned after ``convert()``
+    (probed at its old value): the original forward runs with the new value, the reason recorded;
+    the attribute reads as on the original block, and assigning the value it had keeps the block fused
+    (the fused reading ignored the change: output off by O(1), or no dropout)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ScheduledBlock(4)).train()
+    eager = copy.deepcopy(model)
+    _, report = convert(model, report=True)
+    assert [r.name for r in report.replaced] == ["0"], _reasons(report)
+    assert (model[0].drop_rate, model[0].res_scale) == (0.0, 1.0)
+    model[0].res_scale = float("1")  # the value it had (another object): still fused
+    x = torch.randn(2, 4, 6, 6)
+    assert_close(model(x), eager(x), torch.float32, "unchanged")
+    assert model[0].last_backend != "reference"
+    for m in (model, eager):
+        setattr(m[0], attr, value)
+    torch.manual_seed(2)
+    y = model(x)
+    torch.manual_seed(2)
+    assert_close(y, eager(x), torch.float32, attr)
+    assert model[0].last_backend == "reference" and f"attributes changed since convert() ({attr})" in \
+        model[0].fallback_reason
+
+
+def test_a_block_used_twice_stays_one_module():
+    """A block object used twice (applied twice: shared weights) is one converted module, as it was one
+    module: a hook registered on it afterwards fires at both uses, as eager's does (each use got its
+    own ConvertedPreActBlock, and the hook fired once)."""
+    torch.manual_seed(0)
+    block = CifarPreActBlock(4, 4)
+    model = nn.Sequential(block, block)
+    eager = copy.deepcopy(model)
+    _, report = convert(model, report=True)
+    assert model[0] is model[1] and type(model[0]).__name__ == "ConvertedPreActBlock"
+    assert [r.name for r in report.replaced] == ["0"], _reasons(report)
+    calls = {"fused": 0, "eager": 0}
+    for name, m in (("fused", model), ("eager", eager)):
+        m[0].register_forward_hook(lambda *_, n=name: calls.__setitem__(n, calls[n] + 1))
+    x = torch.randn(2, 4, 6, 6)
+    assert_close(model(x), eager(x), torch.float32, "output")
+    assert calls == {"fused": 2, "eager": 2}

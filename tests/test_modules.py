@@ -431,3 +431,119 @@ def test_stateful_parametrization_is_evaluated_once_per_call(backend):
     fused = fused.to(DEVICE)
     _compare(fused, eager.double(), torch.randn(2, 5, 9, 7) + 0.5, train=True, steps=3)
     assert fused.last_backend == backend
+
+
+class _Adapter(nn.Module):
+    """A LoRA-style wrapper around a conv (what adapter libraries put in a conv's place)."""
+
+    def __init__(self, base: nn.Conv2d):
+        super().__init__()
+        self.base = base
+        self.down = nn.Conv2d(base.in_channels, 2, 1, bias=False)
+        self.up = nn.Conv2d(2, base.out_channels, 1, bias=False)
+
+    def forward(self, a):
+        return self.base(a) + self.up(self.down(a))
+
+
+class _FrozenBN(nn.Module):
+    """detectron2's FrozenBatchNorm2d: affine and statistics as buffers, no momentum or training mode."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        for name, init in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
+            self.register_buffer(name, torch.full((n,), init) + 0.3 * torch.randn(n).abs())
+
+    def forward(self, x):
+        scale = self.weight * (self.running_var + 1e-5).rsqrt()
+        return x * scale[None, :, None, None] + (self.bias - self.running_mean * scale)[None, :, None, None]
+
+
+@pytest.mark.parametrize("edit", ["groupnorm", "identity-norm", "frozen-bn", "adapter-conv", "identity-shortcut"])
+def test_children_of_other_types_run_their_own_forward(edit):
+    """A fused block whose BatchNorm, conv or shortcut was replaced by a module of another type (a
+    GroupNorm, as opacus' ModuleValidator.fix does; nn.Identity; detectron2's FrozenBatchNorm2d; an
+    adapter around a conv; an Identity shortcut) runs the children's own forward, as its eager twin
+    does, with the reason recorded (these raised AttributeError reading BatchNorm/Conv attributes)."""
+    torch.manual_seed(0)
+    fused, eager = FusedPreActBlock(8, 8), PreActBlock(8, 8)
+    eager.load_state_dict(fused.state_dict())
+    new = {"groupnorm": ("bn1", lambda: nn.GroupNorm(2, 8)), "identity-norm": ("bn2", nn.Identity),
+           "frozen-bn": ("bn1", lambda: _FrozenBN(8)), "adapter-conv": ("conv2", lambda: _Adapter(fused.conv2)),
+           "identity-shortcut": ("shortcut", nn.Identity)}[edit]
+    child = new[1]()
+    setattr(fused, new[0], child)
+    setattr(eager, new[0], copy.deepcopy(child) if edit != "adapter-conv" else _Adapter(eager.conv2))
+    if edit == "adapter-conv":
+        eager.conv2.load_state_dict(child.state_dict())
+    _compare(fused.to(DEVICE), eager.double(), torch.randn(2, 8, 5, 6), train=True)
+    assert fused.last_backend == "reference" and "is not exactly nn." in fused.fallback_reason
+
+
+def test_frozen_batchnorm_in_a_fused_network_breaks_the_statistics_handoff():
+    """A fused network whose second block's bn1 is not a BatchNorm: the first block hands no
+    statistics to it (run_blocks read its BatchNorm mode and raised AttributeError); output as the
+    unfused network's."""
+    from fused_preact.models import PreActResNet
+
+    torch.manual_seed(0)
+    fused = PreActResNet("basic", [2], [8], "cifar", 8, 5, fused=True)
+    eager = PreActResNet("basic", [2], [8], "cifar", 8, 5, fused=False)
+    eager.load_state_dict(fused.state_dict())
+    fused.layer1[1].bn1 = _FrozenBN(8)
+    eager.layer1[1].bn1 = copy.deepcopy(fused.layer1[1].bn1)
+    x = torch.randn(2, 3, 8, 8)
+    assert_close(fused.to(DEVICE)(x.to(DEVICE)), eager.double()(x.double()), torch.float32)
+
+
+@pytest.mark.parametrize("missing", ["weight", "bias"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_batchnorm_with_only_a_shift_or_only_a_scale(missing, train):
+    """A BatchNorm2d whose weight (or bias) was removed — a BatchNorm that learns only a shift, as
+    Keras' ``scale=False`` — normalizes as F.batch_norm does with γ = 1 (β = 0) for the missing one:
+    output and every gradient, the remaining parameter's included, as eager's. The Triton path read
+    a missing weight as ``affine=False`` and dropped β (output off by O(1)); a missing bias raised."""
+    torch.manual_seed(0)
+    fused = FusedBNReLUConv2d(8, 8, 3, padding=1, backend="triton")
+    _randomize_bn(fused)
+    fused.bn.register_parameter(missing, None)
+    with torch.no_grad():
+        (fused.bn.bias if missing == "weight" else fused.bn.weight).uniform_(0.5, 1.5)
+    eager = nn.Sequential(copy.deepcopy(fused.bn), nn.ReLU(), copy.deepcopy(fused.conv))
+    _compare(fused.to(DEVICE), eager.double(), torch.randn(2, 8, 5, 5), train)
+    assert fused.last_backend == "triton"
+
+
+def test_torch_func_transforms_run_the_plain_ops():
+    """Under torch.func transforms (vmap; per-sample gradients: vmap over grad of functional_call) a
+    fused module in eval mode and the functional op compute what eager computes (they raised: the
+    fused autograd Functions have no functorch rules); the reason is recorded, and a forced fused
+    backend raises."""
+    import torch.func as tf
+
+    from fused_preact.ops import bn_relu_conv2d
+
+    torch.manual_seed(0)
+    fused = FusedBNReLUConv2d(4, 6, 3, padding=1).eval()
+    _randomize_bn(fused)
+    eager = nn.Sequential(copy.deepcopy(fused.bn), nn.ReLU(), copy.deepcopy(fused.conv)).eval()
+    x = torch.randn(3, 2, 4, 5, 5)
+    assert_close(tf.vmap(fused)(x), tf.vmap(eager)(x), torch.float32, "vmap")
+    assert fused.last_backend == "reference" and "torch.func" in fused.fallback_reason
+    params = {k: v.detach() for k, v in fused.named_parameters()}
+    loss = lambda m: lambda p, xx: tf.functional_call(m, p, (xx[None],)).square().sum()  # noqa: E731
+    per_sample = tf.vmap(tf.grad(loss(fused)), in_dims=(None, 0))(params, x[0])
+    eager_params = {k.replace("bn.", "0.").replace("conv.", "2."): v for k, v in params.items()}
+    per_sample_eager = tf.vmap(tf.grad(loss(eager)), in_dims=(None, 0))(eager_params, x[0])
+    assert_close(per_sample["conv.weight"], per_sample_eager["2.weight"], torch.float32, "per-sample grad")
+    bn = fused.bn
+    op = lambda xx, backend="auto": bn_relu_conv2d(xx, fused.conv.weight, None, bn.running_mean,  # noqa: E731
+                                                   bn.running_var, bn.weight, bn.bias, False, padding=1,
+                                                   backend=backend)
+    assert_close(tf.vmap(op)(x), tf.vmap(eager)(x), torch.float32, "functional vmap")
+    with pytest.raises(RuntimeError, match="torch.func"):
+        tf.vmap(lambda xx: op(xx, "triton"))(x)
+    fused.backend = "triton"
+    with pytest.raises(RuntimeError, match="torch.func"):
+        tf.vmap(fused)(x)
+    assert fused(x[0]).shape == (2, 6, 5, 5) and fused.last_backend == "triton"  # outside: fused again

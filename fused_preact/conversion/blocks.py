@@ -50,8 +50,11 @@ class ConvertedPreActBlock(FusedModuleBase):
     or removed anywhere below the block (``_convert_layout``) — the block runs the original class's
     forward on its current children instead, unfused, and says so (``fallback_reason``; a forced
     fused backend raises): a shortcut turned into a projection, a norm without its ReLU, are then
-    computed as the original block computes them. Replacing a child by one of the same type, a hook,
-    or a changed attribute is read by the fused path on every call, as before.
+    computed as the original block computes them. The same when one of the original block's own
+    public attributes (copied onto this block, e.g. a residual scale or a dropout rate its forward
+    reads) is assigned another value (``_changed_attributes``; a mutable attribute changed in place
+    is not seen). Replacing a child by one of the same type, a hook, or a changed attribute of a child
+    is read by the fused path on every call, as before.
 
     Attributes:
         backend: requested backend (``"auto"``, ``"triton"``, ``"reference"``).
@@ -61,6 +64,7 @@ class ConvertedPreActBlock(FusedModuleBase):
             are found and read.
         source_type: the original block's qualified class name.
         _convert_layout: ((module path, type), …) of every module below the block at conversion.
+        _source_attrs: the original block's public non-module attributes at conversion.
 
     Shapes and dtypes: those of the original block (input (N, C, H, W)).
     Raises (in forward): as :func:`fused_preact.modules.run_units` (bad rank or channels, forced backend that
@@ -86,6 +90,11 @@ class ConvertedPreActBlock(FusedModuleBase):
         self._source_cls = type(block)
         self._source_state = {k: v for k, v in block.__dict__.items() if k != "_modules"}
         self._convert_layout = _layout(self)
+        # its public attributes, readable (and settable) here as on the original block
+        self._source_attrs = {k: v for k, v in self._source_state.items()
+                              if not k.startswith("_") and k != "training" and k not in block._modules
+                              and k not in self.__dict__ and not hasattr(type(self), k)}
+        self.__dict__.update(self._source_attrs)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, shortcut={_MODES[self.shortcut_mode]!r}, source={self.source_type}"
@@ -95,7 +104,7 @@ class ConvertedPreActBlock(FusedModuleBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(N, C, H, W) → the original block's output; see the class docstring."""
-        if _layout(self) != self._convert_layout:
+        if _layout(self) != self._convert_layout or self._changed_attributes():
             return self._source_forward(x)
         mods = self._modules
         steps = [(mods[n], mods[c]) for n, c in self.steps]
@@ -128,6 +137,12 @@ class ConvertedPreActBlock(FusedModuleBase):
             return dp(run_units(self, x, steps)[0]) + sc
         return run_units(self, x, steps, residual="input" if identity else sc)[0]
 
+    def _changed_attributes(self) -> list[str]:
+        """The original's public attributes (``_source_attrs``) assigned another value since
+        conversion (an immutable value compared by value, any other by identity) or deleted."""
+        d = self.__dict__
+        return [k for k, v in self._source_attrs.items() if not _same(d.get(k, _MISSING), v)]
+
     def _source_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The original class's forward on the block's current children, training mode and public
         attributes (the original's, as set on this block since), called without module hooks (this
@@ -135,8 +150,10 @@ class ConvertedPreActBlock(FusedModuleBase):
         now = dict(_layout(self))
         old = dict(self._convert_layout)
         changed = sorted({p for p, t in old.items() if now.get(p, None) is not t} | (now.keys() - old.keys()))
-        record_eager(self, f"its modules changed since convert() ({', '.join(changed)}): the original "
-                           f"{self.source_type}.forward runs, unfused", x)
+        what = [f"its modules changed since convert() ({', '.join(changed)})"] if changed else []
+        attrs = self._changed_attributes()
+        what += [f"its attributes changed since convert() ({', '.join(attrs)})"] if attrs else []
+        record_eager(self, f"{'; '.join(what)}: the original {self.source_type}.forward runs, unfused", x)
         state = {k: v for k, v in self._source_state.items() if k not in self._modules}  # a child now
         state.update((k, v) for k, v in self.__dict__.items() if k in state and not k.startswith("_"))
         block = self._source_cls.__new__(self._source_cls)
@@ -152,6 +169,20 @@ class ConvertedPreActBlock(FusedModuleBase):
             mods.append(m)
             m = m._modules[part]
         return mods
+
+
+_MISSING = object()
+_IMMUTABLE = (int, float, bool, str, bytes, type(None), tuple, frozenset)
+
+
+def _same(a: object, b: object) -> bool:
+    """``a is b``, or equal immutable values of one type (a float assigned again is a new object)."""
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and isinstance(a, _IMMUTABLE) and bool(a == b)
+    except Exception:  # a tuple holding tensors: not comparable by value
+        return False
 
 
 def _layout(block: nn.Module) -> tuple[tuple[str, type], ...]:

@@ -38,6 +38,9 @@ class _Converter:
         self.probed: dict[tuple[str, str], Optional[str]] = {}
         self.report = ConversionReport()
         self.explained: set[int] = set()
+        # id(module) -> (module, what replaced it): a module used twice (shared weights, an alias)
+        # stays one module (the original is held, so its id is not reused)
+        self.visited: dict[int, tuple[nn.Module, nn.Module]] = {}
 
     def _probe(self, module: nn.Module, mode: str, build: Callable[[nn.Module], nn.Module], channels: int,
                size: int) -> Optional[str]:
@@ -51,6 +54,11 @@ class _Converter:
         self.explained.update(id(m) for m in module.modules() if isinstance(m, nn.BatchNorm2d))
 
     def visit(self, module: nn.Module, name: str) -> nn.Module:
+        if id(module) not in self.visited:
+            self.visited[id(module)] = (module, self._visit(module, name))
+        return self.visited[id(module)][1]
+
+    def _visit(self, module: nn.Module, name: str) -> nn.Module:
         if isinstance(module, _FUSED_TYPES):
             self.report.skipped.append(Skipped(name, type(module).__name__, "already fused"))
             self._explain(module)

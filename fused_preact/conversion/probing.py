@@ -21,6 +21,7 @@ def _randomize_(module: nn.Module) -> None:
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 if m.weight is not None:
                     m.weight.uniform_(0.5, 1.5)
+                if m.bias is not None:  # each on its own: a BatchNorm may have only one of them
                     m.bias.normal_(0.0, 0.5)
                 if m.running_mean is not None:
                     m.running_mean.normal_(0.0, 0.5)

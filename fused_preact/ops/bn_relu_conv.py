@@ -18,9 +18,18 @@ import torch
 import torch.nn.functional as F
 
 from fused_preact.ops._common import IntOr2
-from fused_preact.ops.backends import PlanCache
+from fused_preact.ops.backends import PlanCache, check_backend_name
 from fused_preact.ops.run import run_chain
-from fused_preact.ops.spec import BATCH, RUNNING, BNMode, ChainSpec, ChainTensors, ConvGeom, check_running_buffers
+from fused_preact.ops.spec import (
+    BATCH,
+    RUNNING,
+    BNMode,
+    ChainSpec,
+    ChainTensors,
+    ConvGeom,
+    check_running_buffers,
+    functorch_reasons,
+)
 
 __all__ = ["bn_relu_conv2d", "bn_relu_conv2d_reference"]
 
@@ -63,13 +72,15 @@ def bn_relu_conv2d(
         backend: ``"auto"`` (measured and validated per signature on CUDA, :mod:`fused_preact.ops.auto`;
             elsewhere the first of ``fused_preact.ops.backends.PRIORITY`` that can serve x), ``"triton"``,
             ``"cuda"`` (CUDA extension, opt-in), ``"recompute"`` (cuDNN convolutions, BN+ReLU recomputed)
-            or ``"reference"`` (plain PyTorch).
+            or ``"reference"`` (plain PyTorch). Under a ``torch.func`` transform (vmap, grad, …) the plain
+            PyTorch ops run (:func:`~fused_preact.ops.spec.functorch_reasons`).
 
     Returns:
         (N, K, P, Q) tensor of the compute dtype (x's, or the autocast dtype under autocast).
 
     Raises:
-        RuntimeError: a forced backend cannot serve x (the message says why); eval mode without
+        RuntimeError: a forced backend cannot serve x (the message says why; a fused one under a
+            ``torch.func`` transform); eval mode without
             ``running_mean``/``running_var``; PyTorch's input errors.
         ValueError: training with one value per channel, with only one of the running buffers, or with
             ``eps <= 0``; unknown backend name; bad geometry.
@@ -79,6 +90,12 @@ def bn_relu_conv2d(
     if not isinstance(momentum, (int, float)):
         raise TypeError(f"batch_norm(): argument 'momentum' (position 7) must be float, not {type(momentum).__name__}")
     check_running_buffers(training, running_mean, running_var)
+    transform = functorch_reasons()
+    if transform:
+        if check_backend_name(backend) not in ("auto", "reference"):
+            raise RuntimeError(f"fused_preact: backend={backend!r} cannot serve this call: {transform[0]}")
+        return bn_relu_conv2d_reference(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, training,
+                                        momentum, eps, stride, padding, dilation, groups)
     if (bn_weight is None) != (bn_bias is None):  # F.batch_norm's defaults for the missing half: γ = 1, β = 0
         C = x.shape[1]
         bn_weight = bn_weight if bn_weight is not None else torch.ones(C, device=x.device, dtype=bn_bias.dtype)

@@ -313,6 +313,17 @@ def projection_problem(conv: nn.Conv2d) -> Optional[str]:
             "unpadded one with equal strides)")
 
 
+def functorch_reasons() -> list[str]:
+    """``[why]`` while a ``torch.func`` transform (vmap, grad, jacrev, …) runs, else ``[]``: the fused
+    ops are autograd Functions without functorch rules (``setup_context``/``vmap``), so under a
+    transform the plain PyTorch ops run instead (what eager computes: eval mode works; training mode
+    raises there as eager's in-place running-statistics update does). Not checked while
+    ``torch.compile`` traces (its graph runs outside any transform)."""
+    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None:
+        return []
+    return ["a torch.func transform is active (the fused autograd Functions have no functorch rules)"]
+
+
 def check_running_buffers(training: bool, running_mean: Optional[torch.Tensor],
                           running_var: Optional[torch.Tensor]) -> None:
     """``F.batch_norm``'s checks of its running buffers, in its order and with its messages.
