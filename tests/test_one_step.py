@@ -1,7 +1,7 @@
-"""One-step launches (the fprop and dgrad kernels' ``ONE_STEP``): a 1×1 whose reduction, and its
-projection's, is a single tile step runs without a loop; the same layers with more channels than a
-step run the loops. Each against a float64 reference, with the launches' ONE_STEP recorded to show
-which path ran."""
+"""One-step launches (the fprop and dgrad kernels' ``STEPS`` > 0): a 1×1 whose reduction fits one
+iteration of the loop (one tile step; fprop's two unrolled ones), and its projection's one step, runs
+without a loop; the same layers with more channels run the loops. Each against a float64 reference,
+with the launches' STEPS recorded to show which path ran."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ SMALL = GemmConfig(16, 16, 16)
 
 
 class _Spy:
-    """Stands in for a ``@triton.jit`` kernel: records each launch's ``ONE_STEP``, then launches."""
+    """Stands in for a ``@triton.jit`` kernel: records whether each launch runs without a loop
+    (``STEPS`` > 0), then launches."""
 
     def __init__(self, kernel, name: str, seen: list):
         self.kernel, self.name, self.seen = kernel, name, seen
@@ -35,7 +36,7 @@ class _Spy:
         run = self.kernel[grid]
 
         def launch_(*args, **kwargs):
-            self.seen.append((self.name, kwargs.get("ONE_STEP")))
+            self.seen.append((self.name, kwargs["STEPS"] > 0))
             return run(*args, **kwargs)
 
         return launch_
@@ -58,7 +59,7 @@ def _steps(seen: list, kernel: str) -> set:
     return {one for name, one in seen if name == kernel}
 
 
-# (in_planes, small tiles, ONE_STEP seen in fprop, in dgrad). Bottleneck 16 → 8 → 32 with a projection
+# (in_planes, small tiles, loop-free launches seen in fprop, in dgrad). Bottleneck 16 → 8 → 32 with a projection
 # (16 → 32): under the interpreter's tiles conv1 (16 channels) and conv3 with its projection (8 and 16
 # channels) are one step each in fprop, conv3's dgrad (32 output channels) too, conv2 (3×3) loops.
 # 24 input channels in 16-channel steps: conv1's fprop and the projection's loop, and conv3's dgrad
@@ -123,13 +124,17 @@ def test_bottleneck_with_projection_fp16(monkeypatch, in_planes, small, fprop_st
     assert _steps(seen, "fprop") == fprop_steps and True in _steps(seen, "dgrad")
 
 
-@pytest.mark.parametrize("small", [False, True], ids=["one-step", "loops"])
-def test_unit_1x1_fp16(monkeypatch, small):
+@pytest.mark.parametrize("tiles, fprop_steps, dgrad_steps", [
+    (None, {True}, {True}), (SMALL, {False}, {False}), (GemmConfig(16, 16, 16, unroll=2), {True}, {False})],
+    ids=["one-step", "loops", "two-unrolled-steps"])
+def test_unit_1x1_fp16(monkeypatch, tiles, fprop_steps, dgrad_steps):
     """A 1×1 unit 24 → 40 in fp16 (test_op's float64 comparison): one step in fprop and dgrad under the
     interpreter's tiles; 2 channel steps in fprop and 3 output-channel steps in dgrad with 16-wide
-    tiles."""
-    if small:
-        _small_tiles(monkeypatch)
+    tiles — fprop's loop-free where its loop is unrolled twice (``STEPS`` 2: both accumulators)."""
+    if tiles is not None:
+        for name in ("fprop_config", "dgrad_config"):
+            monkeypatch.setattr(triton_plans, name, lambda *args, **kwargs: tiles)
+        monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
     seen = _spy(monkeypatch)
     _run((2, 24, 5, 6, 40, 1, 1, 0, 1, 1), True, True, torch.float16)
-    assert _steps(seen, "fprop") == _steps(seen, "dgrad") == {not small}
+    assert (_steps(seen, "fprop"), _steps(seen, "dgrad")) == (fprop_steps, dgrad_steps)

@@ -174,8 +174,9 @@ def test_momentum_one_and_zero(backend):
 def test_fprop_unrolled_loop(monkeypatch, shape):
     """fprop with its main loop unrolled twice into two accumulators (GPU tiles of
     :func:`fprop_unroll`) on small tiles: 9 taps × 1 chunk and 9 taps × 3 chunks (odd trip counts: the
-    step after the loop), 1 tap × 2 chunks (even: both accumulators, no remainder), 1 × 1 (the
-    remainder alone)."""
+    step after the loop), 1 tap × 2 chunks (one iteration: both accumulators, the loop folded away:
+    ``STEPS`` 2), 1 × 1 (one step). Even trip counts of the loop itself: test_modes'
+    test_autocast_unrolled_loops (36 steps)."""
     monkeypatch.setattr(triton_plans, "fprop_config", lambda *args, **kwargs: GemmConfig(16, 16, 16, unroll=2))
     monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
     _run(shape, True, True, torch.float16)

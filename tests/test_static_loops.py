@@ -291,18 +291,19 @@ def test_unjudgeable_entries_fail():
 
 
 def test_one_step_launches_have_no_loop_to_judge():
-    """A one-step launch (ONE_STEP true, no MMA loop) is no problem and adds no default figure; a layer
-    whose candidates include one has a candidate that meets every limit. Without ONE_STEP, or with a
+    """A one-step launch (STEPS > 0, no MMA loop) is no problem and adds no default figure; a layer
+    whose candidates include one has a candidate that meets every limit. With STEPS 0, or with a
     loop despite it, an entry is judged as before. The async-copy rule of check_entries spares it."""
     from tools.static_report.limits import check_entries
 
-    def one(roles=("default",), shapes=("A",), flag="True", loop=None):
+    def one(roles=("default",), shapes=("A",), flag="1", loop=None):
         e = _e(roles=roles, shapes=shapes)
-        e.update(loop=loop, constexprs={"ONE_STEP": flag}, conv=True, async_copies={})
+        e.update(loop=loop, constexprs={"STEPS": flag}, conv=True, async_copies={})
         return e
 
     key = "triton fprop [3x3s1] bf16 sm_90"
-    assert LL.one_step(one()) and not LL.one_step(one(flag="False")) and not LL.one_step(_e())
+    assert LL.one_step(one()) and LL.one_step(one(flag="2")) and not LL.one_step(one(flag="0"))
+    assert not LL.one_step(_e())
     assert not LL.one_step(one(loop=_e()["loop"]))
     assert LL.check_loops([one()], {}) == ([], [])
     figs, _ = LL.loop_figures([one(), _e(ratio=0.9, shapes=("B",))])
@@ -311,11 +312,11 @@ def test_one_step_launches_have_no_loop_to_judge():
     bad_cand = _e(roles=("candidate",), ratio=1.5, shapes=("A",))
     assert LL.check_loops([_e(ratio=0.9), bad_cand, one(roles=("candidate",))], {})[0] == []
     assert len(LL.check_loops([_e(ratio=0.9), bad_cand], {})[0]) == 1
-    assert "no main loop" in LL.check_loops([one(flag="False")], {})[0][0]
+    assert "no main loop" in LL.check_loops([one(flag="0")], {})[0][0]
     assert "1.5" in LL.check_loops([one(loop=dict(_e()["loop"], issue_ratio=1.5))], {})[0][0]
     plain = dict(one(), mma=4, stack_bytes=0, shared_bytes=0)
     assert check_entries([plain]) == []
-    assert "no async global" in check_entries([dict(plain, constexprs={"ONE_STEP": "False"})])[0]
+    assert "no async global" in check_entries([dict(plain, constexprs={"STEPS": "0"})])[0]
 
 
 def test_ratchet():

@@ -18,12 +18,13 @@ over the compilations whose role is ``default`` (entries without roles count as 
 Both only grow when more layers are added, so a run restricted to some layers never reports a larger
 figure than the full run.
 
-One-step launches (:func:`one_step`: a 1×1 whose reduction, and its projection's, is a single
-``BLOCK_K`` step, launched with the kernel's ``ONE_STEP``) have no main loop: their trip counts are
-constants and Triton folds the loops away. There is no steady state to hold to these limits — such a
+One-step launches (:func:`one_step`: a 1×1 whose reduction fits one iteration of the loop — one
+``BLOCK_K`` step, or fprop's two unrolled ones — and its projection's one step, launched with the
+kernel's ``STEPS`` > 0) have no main loop: their trip counts are constants and Triton folds the loops
+away. There is no steady state to hold to these limits — such a
 kernel loads its operands once, and its time is its loads, one batch of MMAs and the epilogue — so
 they add no figure to ``default``, and a layer with a one-step candidate has a candidate that meets
-every limit. A compilation that declares ONE_STEP and still has a loop is judged like any other.
+every limit. A compilation that declares STEPS and still has a loop is judged like any other.
 
 Ratchet: the kernels do not meet the limits yet, so the offending figures of today are committed in
 a baseline file (:data:`DEFAULT_BASELINE`). ``--check`` fails on an offending (variant, limit, side)
@@ -111,8 +112,9 @@ def variant_key(e: dict) -> str:
 
 def one_step(e: dict) -> bool:
     """Whether report entry ``e`` is a one-step launch without a main loop (module docstring): its
-    ``ONE_STEP`` constexpr is true and its SASS has no MMA loop."""
-    return str(e.get("constexprs", {}).get("ONE_STEP")) == "True" and e.get("loop") is None
+    ``STEPS`` constexpr is a positive count and its SASS has no MMA loop."""
+    steps = str(e.get("constexprs", {}).get("STEPS", "0"))
+    return steps.isdigit() and int(steps) > 0 and e.get("loop") is None
 
 
 def _worst_of_layer_bests(cands: Sequence[dict], fig: Callable[[dict], float]) -> Optional[float]:

@@ -52,8 +52,9 @@ class GemmConfig:
 
 
 def one_step_tile(cfg: GemmConfig) -> bool:
-    """Whether a fprop or dgrad tile may run a one-step reduction without its loop (the kernels'
-    ``ONE_STEP``, where the layer's channels fit one step): up to 128×64×32 MACs per step. Without the
+    """Whether a fprop or dgrad tile may run its reduction without a loop where the layer's channels
+    fit one iteration of it (the kernels' ``STEPS``: one step, or fprop's two unrolled ones): up to
+    128×64×32 MACs per step. Without the
     loop Triton loads the operands through registers, not async copies into shared memory, and larger
     tiles reach the 255-register limit (static, sm_80: a 128×64×64 fprop beside a projection takes
     255 and spills, 218 as a loop; a 64×128×64 dgrad with the residual spills on sm_90); smaller ones

@@ -98,7 +98,7 @@ def _dgrad_kernel(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K2: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, ASM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr,
-    SLOTS: tl.constexpr, ONE_STEP: tl.constexpr,
+    SLOTS: tl.constexpr, STEPS: tl.constexpr,
 ):
     """``da[m, c] = Σ_{r,s,k} dy[pix⁻¹(m,r,s), k] · w[k, c, r, s]``; epilogue: the ReLU mask recomputed
     from x, ``dz = da·[x·scale + shift > 0]`` (threshold_backward: a NaN activation passes), and the
@@ -118,8 +118,8 @@ def _dgrad_kernel(
     row's taps masked), so the loop runs once per filter row instead of once per tap: a 16-channel
     step alone is one 8-clock MMA, under the loop's fixed cost.
 
-    ONE_STEP (a 1×1, stride 1, whose output channels per group fit one BLOCK_K step, and whose
-    projection's K2 fits one BLOCK_K2 step): constant trip counts, so Triton folds the loops into their
+    STEPS: 0, or 1 for a 1×1, stride 1, whose output channels per group fit one BLOCK_K step and whose
+    projection's K2 fits one BLOCK_K2 step: constant trip counts, so Triton folds the loops into their
     one step (no pipeline, one stage of shared memory).
     """
     Cg = C // GROUPS
@@ -248,8 +248,8 @@ def _dgrad_kernel(
         kk = 0
         ss = 0
         rr = 0
-        tl.static_assert(not ONE_STEP or (R * S == 1 and not PHASED), "ONE_STEP: a 1x1 of stride 1")
-        for t in range(1 if ONE_STEP else NR * NS * NUM_KK):
+        tl.static_assert(STEPS == 0 or (STEPS == 1 and R * S == 1 and not PHASED), "STEPS: a 1x1 of stride 1")
+        for t in range(1 if STEPS else NR * NS * NUM_KK):
             if R * S == 1:
                 k0 = t * BLOCK_K
                 r = r0
@@ -316,7 +316,7 @@ def _dgrad_kernel(
         arange_k2 = tl.arange(0, BLOCK_K2)
         dy2_ptrs = dy2_ptr + row2[:, None] + (arange_k2 * sd2c)[None, :]
         w2_ptrs = w2_ptr + (arange_k2 * sw2k)[:, None] + (offs_n * sw2c)[None, :]
-        for k0 in range(0, BLOCK_K2 if ONE_STEP else K2, BLOCK_K2):
+        for k0 in range(0, BLOCK_K2 if STEPS else K2, BLOCK_K2):
             if EVEN_K2:
                 dyt2 = tl.load(dy2_ptrs + k0 * sd2c, mask=on_grid[:, None], other=0.0)
                 if EVEN_N:

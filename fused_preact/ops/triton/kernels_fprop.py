@@ -254,7 +254,7 @@ def _fprop_kernel(
     HAS_BIAS: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_RES: tl.constexpr, STATS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr,
     PRO16: tl.constexpr, EVEN_C: tl.constexpr, EVEN_N: tl.constexpr, ONE_CK: tl.constexpr, QUAD: tl.constexpr,
-    ONE_STEP: tl.constexpr,
+    STEPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_K2: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """``y[m, k] = Σ_{r,s,c} relu(x[pix(m,r,s), c]·scale[c] + shift[c]) · w[k, c, r, s]`` (+ bias[k]).
@@ -271,10 +271,10 @@ def _fprop_kernel(
     input under autocast) keep the fp32 transform. EVEN_C: the channels per group (and C2) are
     multiples of BLOCK_K (BLOCK_K2), so channel chunks need no mask; EVEN_N: K/GROUPS is a multiple of
     BLOCK_N; ONE_CK: the channels per group fit one chunk (≤ BLOCK_K), so the 16-bit transform's
-    vectors are loaded once, before the loop, and the loop runs over the taps alone. ONE_STEP: a 1×1
-    whose channels per group fit one chunk and whose projection's (C2) fit one BLOCK_K2 chunk: each
-    reduction is a single step, with constant trip counts, so Triton folds the loops away (no pipeline,
-    one stage of shared memory). QUAD (an fp32 x
+    vectors are loaded once, before the loop, and the loop runs over the taps alone. STEPS: 0, or a 1×1
+    whose channels per group take STEPS ≤ UNROLL chunks (one iteration of the loop) and whose
+    projection's (C2) fit one BLOCK_K2 chunk: the trip counts are constants, so Triton folds the loops
+    away (no pipeline, one stage of shared memory). QUAD (an fp32 x
     under 16-bit operands, ``configs.quad_channels``): the x tile's columns and the vectors reordered by
     :func:`_quad_cols`, the filter's input channels given in the same order (``plan.mma_weight``),
     and the vectors read interleaved. Rows past M compute row M−1 (never stored).
@@ -371,9 +371,9 @@ def _fprop_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # One channel chunk with several taps: the chunk offset stays 0 and the taps never wrap.
     TAPS_ONLY: tl.constexpr = ONE_CK and RS > 1
-    tl.static_assert(not ONE_STEP or (ONE_CK and RS == 1), "ONE_STEP: a 1x1 of one channel chunk")
-    if ONE_STEP:
-        n_iter = 1  # a constant trip count: the loop below is folded into its one step
+    tl.static_assert(STEPS <= UNROLL and (STEPS == 0 or RS == 1), "STEPS: a 1x1 of one loop iteration")
+    if STEPS:
+        n_iter = STEPS  # a constant trip count: the loop below is folded into its one iteration
     else:
         n_iter = RS * NUM_CK
         tl.assume(n_iter > 0)
@@ -401,7 +401,7 @@ def _fprop_kernel(
                 vbits, vbits2, ih0, iw0, H, W, pack_ptr, g, C, v_row, ones_r, nm, s16, b16, S, DIL_H, DIL_W, PADDED,
                 MANY_TAPS, X16, X32S, QUAD, ONE_CK, EVEN_C, EVEN_N, IDX64, PRO16, DOT_DTYPE, BLOCK_M, BLOCK_K)
             acc = tl.dot(a, wt, acc, input_precision=INPUT_PRECISION)
-        if not ONE_STEP:  # (one step: the step after the folded loop, acc2 never written)
+        if STEPS != 1:  # (one step: the step after the folded loop, acc2 never written)
             acc += acc2
     if HAS_PROJ:
         # Projection shortcut: 1×1, stride STRIDE2, no padding, on the chain input (groups == 1).
@@ -410,7 +410,7 @@ def _fprop_kernel(
         if XIN16:
             v16b, _ = _pack16_ptrs(pack2_ptr, C2, xin_ptr.dtype.element_ty)
         tl.assume(C2 > 0)
-        for c0 in range(0, BLOCK_K2 if ONE_STEP else C2, BLOCK_K2):
+        for c0 in range(0, BLOCK_K2 if STEPS else C2, BLOCK_K2):
             offs_c = c0 + kk2
             c_mask = None if EVEN_C else offs_c < C2
             xt2 = _load_tile(xin_ptr + row2[:, None] + offs_c[None, :] * sin_c, None,

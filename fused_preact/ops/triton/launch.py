@@ -180,14 +180,15 @@ def fprop(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Tensor, 
     block_k2 = p2(C2, 16, cfg.BLOCK_K)
     Cg, Kg = u.in_shape[1] // g.groups, K // g.groups
     even_c = Cg % cfg.BLOCK_K == 0 and (proj_w is None or C2 % block_k2 == 0)
-    # each reduction a single step: the kernel's loops fold away
-    one_step = (g.kernel == (1, 1) and Cg <= cfg.BLOCK_K and (proj_w is None or C2 <= block_k2)
+    # the reduction one iteration of the (unrolled) loop, the projection's one step: the loops fold away
+    steps = triton.cdiv(Cg, cfg.BLOCK_K)
+    one_iter = (g.kernel == (1, 1) and steps <= cfg.unroll and (proj_w is None or C2 <= block_k2)
                 and one_step_tile(cfg))
     pro16 = _pro16(cdtype)
     kw = dict(**_geo(g, u.in_shape, u.out_shape), H2=x0_shape[2], W2=x0_shape[3], C2=C2, STRIDE2=proj_stride,
               HAS_BIAS=bias is not None, HAS_PROJ=proj_w is not None, HAS_RES=residual, STATS=part is not None,
               **_dot(cdtype, idx64), PRO16=pro16, EVEN_C=even_c, EVEN_N=Kg % cfg.BLOCK_N == 0,
-              ONE_CK=Cg <= cfg.BLOCK_K, QUAD=quad, ONE_STEP=one_step,
+              ONE_CK=Cg <= cfg.BLOCK_K, QUAD=quad, STEPS=steps if one_iter else 0,
               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, BLOCK_K2=block_k2,
               UNROLL=cfg.unroll, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if _recorder is not None:
@@ -225,7 +226,7 @@ def dgrad(u: UnitPlan, *, dy: torch.Tensor, dy_strides, w: torch.Tensor, x: torc
               EVEN_K=Kg % (cfg.BLOCK_K // cfg.slots) == 0, EVEN_N=C // g.groups % cfg.BLOCK_N == 0,
               EVEN_K2=K2 % block_k2 == 0, **_dot(cdtype, idx64), ASM=not interpreting(),
               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, BLOCK_K2=block_k2, SLOTS=cfg.slots,
-              ONE_STEP=one_step, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+              STEPS=int(one_step), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if _recorder is not None:
         _record("dgrad", CK._dgrad_kernel, grid, args, kw)
     else:
