@@ -98,3 +98,35 @@ def test_dispatch_report_after_compiled_calls_only():
     assert len(dispatch_report(m)) == 1
     m.to(DEVICE)  # _apply: plans and the record rebuilt on the next call
     assert len(dispatch_report(m)) == 0
+
+
+def test_converted_block_with_attributes_of_every_kind_compiles_fullgraph():
+    """A converted block checks on every call whether the original block's public attributes changed
+    (``ConvertedPreActBlock._changed_attributes``); the check traces without a graph break whatever
+    the attributes hold — a tuple with a tensor (``is`` between tuples does not trace), NaN, a list,
+    a dict, a tensor — and a NaN attribute that came back from torch.save/load (another float object,
+    NaN ≠ NaN) does not read as changed."""
+    import copy
+    import io
+
+    import torch.nn as nn
+    from test_convert import CifarPreActBlock
+
+    from fused_preact.conversion import convert
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = CifarPreActBlock(4, 4)
+    block.pair, block.nan, block.items, block.table, block.scale = (torch.ones(1), 2), float("nan"), [1], {"a": 1}, \
+        torch.ones(3)
+    model = convert(nn.Sequential(block)).to(DEVICE)
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 4, 6, 6, device=DEVICE)
+    assert_close(torch.compile(model, fullgraph=True, backend="aot_eager")(x), eager(x), torch.float32, "forward")
+    assert model[0].last_backend != "reference"
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    loaded(x)
+    assert loaded[0].last_backend != "reference", loaded[0].fallback_reason

@@ -232,16 +232,26 @@ def test_backends_report():
     "kw,match",
     [
         (dict(groups=2), "Given groups=2"),
-        (dict(stride=0), "need stride"),
-        (dict(padding=(1, 2, 3)), "pair of ints"),
+        (dict(stride=0), "non-positive stride is not supported"),
+        (dict(stride=(1, 0), padding=-1), "negative padding is not supported"),
+        (dict(dilation=(1, 0)), "non-positive dilation is not supported"),
+        (dict(groups=0, stride=0), "non-positive groups is not supported"),
+        (dict(padding=(1, 2, 3)), "expected padding to be a single integer value or a list of 2 values"),
     ],
-    ids=["groups", "stride", "padding"],
+    ids=["groups", "stride", "padding", "dilation", "groups-0", "padding-length"],
 )
 def test_functional_bad_conv_arguments(kw, match):
+    """F.conv2d's errors for bad geometry, its type (RuntimeError), message and order, before any
+    buffer changes (they were ValueErrors of our own)."""
+    import torch.nn.functional as F
+
     from fused_preact.ops import bn_relu_conv2d
 
+    x, w = torch.randn(2, 3, 5, 5, device=DEVICE), torch.randn(4, 3, 3, 3, device=DEVICE)
+    with pytest.raises(RuntimeError, match=match):
+        F.conv2d(x, w, **kw)
     rm, rv = torch.zeros(3, device=DEVICE), torch.ones(3, device=DEVICE)
-    with pytest.raises((RuntimeError, ValueError), match=match):
+    with pytest.raises(RuntimeError, match=match):
         bn_relu_conv2d(torch.randn(2, 3, 5, 5, device=DEVICE), torch.randn(4, 3, 3, 3, device=DEVICE),
                        running_mean=rm, running_var=rv, training=True, backend="triton", **kw)
     assert torch.equal(rm, torch.zeros(3, device=DEVICE)) and torch.equal(rv, torch.ones(3, device=DEVICE))

@@ -172,17 +172,20 @@ class ConvertedPreActBlock(FusedModuleBase):
 
 
 _MISSING = object()
-_IMMUTABLE = (int, float, bool, str, bytes, type(None), tuple, frozenset)
+_SCALARS = (int, float, bool, str, bytes, type(None))
 
 
 def _same(a: object, b: object) -> bool:
-    """``a is b``, or equal immutable values of one type (a float assigned again is a new object)."""
-    if a is b:
-        return True
-    try:
-        return type(a) is type(b) and isinstance(a, _IMMUTABLE) and bool(a == b)
-    except Exception:  # a tuple holding tensors: not comparable by value
+    """``a is b``, or equal scalars of one type (a float assigned again is a new object; NaN equals
+    NaN: a pickled one comes back as another object), or tuples of such, element by element (a tensor
+    in one by identity: never compared by value, which torch.compile cannot trace)."""
+    if type(a) is not type(b):
         return False
+    if isinstance(a, _SCALARS):
+        return a == b or (isinstance(a, float) and a != a and b != b)
+    if isinstance(a, tuple):  # element by element (torch.compile cannot trace ``is`` between tuples)
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a is b
 
 
 def _layout(block: nn.Module) -> tuple[tuple[str, type], ...]:

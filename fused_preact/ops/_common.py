@@ -59,7 +59,8 @@ def pair(v: IntOr2, name: str) -> tuple[int, int]:
     """``F.conv2d``-style int-or-pair argument as a pair of ints.
 
     Raises:
-        ValueError: ``v`` is a string, or a sequence whose length is not 1 or 2.
+        ValueError: ``v`` is a string.
+        RuntimeError: a sequence whose length is not 1 or 2 (``F.conv2d``'s error and message).
     """
     if isinstance(v, int):
         return (v, v)
@@ -69,7 +70,8 @@ def pair(v: IntOr2, name: str) -> tuple[int, int]:
     if len(v) == 1:  # F.conv2d expands a one-element list
         return (v[0], v[0])
     if len(v) != 2:
-        raise ValueError(f"fused_preact: expected {name} to be an int or a pair of ints, got {list(v)}")
+        raise RuntimeError(f"expected {name} to be a single integer value or a list of 2 values to match the "
+                           f"convolution dimensions, but got {name}={list(v)}")
     return v
 
 

@@ -80,10 +80,11 @@ def bn_relu_conv2d(
 
     Raises:
         RuntimeError: a forced backend cannot serve x (the message says why; a fused one under a
-            ``torch.func`` transform); eval mode without
-            ``running_mean``/``running_var``; PyTorch's input errors.
+            ``torch.func`` transform); eval mode without ``running_mean``/``running_var``; PyTorch's
+            input errors, bad geometry included (``F.conv2d``'s messages: non-positive stride or
+            groups, negative padding, dilation < 1, a padding/stride/dilation of 3 or more values).
         ValueError: training with one value per channel, with only one of the running buffers, or with
-            ``eps <= 0``; unknown backend name; bad geometry.
+            ``eps <= 0``; unknown backend name; a padding string other than "valid"/"same".
         TypeError: ``momentum`` not a number (``F.batch_norm`` takes no ``None`` there).
     """
     # F.batch_norm's own argument checks, in its order and with its messages.

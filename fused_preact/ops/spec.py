@@ -318,7 +318,8 @@ def functorch_reasons() -> list[str]:
     ops are autograd Functions without functorch rules (``setup_context``/``vmap``), so under a
     transform the plain PyTorch ops run instead (what eager computes: eval mode works; training mode
     raises there as eager's in-place running-statistics update does). Not checked while
-    ``torch.compile`` traces (its graph runs outside any transform)."""
+    ``torch.compile`` traces: a transform applied inside a compiled function still reaches the
+    custom ops, which have no batching rule, and raises."""
     if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None:
         return []
     return ["a torch.func transform is active (the fused autograd Functions have no functorch rules)"]
@@ -372,13 +373,19 @@ def _check_conv(x, g: ConvGeom, weight, bias, C, H, W, in_shape, autocast: Optio
         raise RuntimeError(f"Given weight of size {list(weight.shape)}, expected bias to be 1-dimensional with "
                            f"{weight.shape[0]} elements, but got bias of size {list(bias.shape)} instead")
     groups = g.groups
-    if groups < 1 or C % groups or weight.shape[0] % groups or weight.shape[1] * groups != C:
+    # F.conv2d's checks, in its order and with its messages
+    if groups < 1:
+        raise RuntimeError("non-positive groups is not supported")
+    if min(g.padding) < 0:
+        raise RuntimeError("negative padding is not supported")
+    if min(g.stride) < 1:
+        raise RuntimeError("non-positive stride is not supported")
+    if min(g.dilation) < 1:
+        raise RuntimeError("non-positive dilation is not supported")
+    if C % groups or weight.shape[0] % groups or weight.shape[1] * groups != C:
         raise RuntimeError(
             f"Given groups={groups}, weight of size {list(weight.shape)}, expected input{list(in_shape)} to have "
             f"{weight.shape[1] * groups} channels, but got {C} channels instead")
-    if min(g.stride) < 1 or min(g.dilation) < 1 or min(g.padding) < 0:
-        raise ValueError(f"fused_preact: need stride ≥ 1, dilation ≥ 1, padding ≥ 0; got {list(g.stride)}, "
-                         f"{list(g.dilation)}, {list(g.padding)}")
     P, Q = g.out_hw(H, W)
     if P <= 0 or Q <= 0:
         raise RuntimeError(f"Calculated output size: ({P}x{Q}). Output size is too small (input {[H, W]}, "
