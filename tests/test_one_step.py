@@ -124,6 +124,18 @@ def test_bottleneck_with_projection_fp16(monkeypatch, in_planes, small, fprop_st
     assert _steps(seen, "fprop") == fprop_steps and True in _steps(seen, "dgrad")
 
 
+def test_loop_free_off_keeps_every_loop(monkeypatch):
+    """``FUSED_PREACT_LOOP_FREE=0`` (``configs.LOOP_FREE``, for timing the two against each other):
+    the one-step case's launches all keep their loops, with the same numbers."""
+    import fused_preact.ops.triton.configs as configs
+
+    monkeypatch.setattr(configs, "LOOP_FREE", False)
+    monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
+    seen = _spy(monkeypatch)
+    _run((2, 24, 5, 6, 40, 1, 1, 0, 1, 1), True, True, torch.float16)
+    assert (_steps(seen, "fprop"), _steps(seen, "dgrad")) == ({False}, {False})
+
+
 @pytest.mark.parametrize("tiles, fprop_steps, dgrad_steps", [
     (None, {True}, {True}), (SMALL, {False}, {False}), (GemmConfig(16, 16, 16, unroll=2), {True}, {False})],
     ids=["one-step", "loops", "two-unrolled-steps"])

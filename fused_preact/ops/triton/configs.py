@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 
@@ -24,6 +25,9 @@ INT32_MAX = 2**31 - 1
 INTERP_SUM_ROWS = 4096
 #: Weight-gradient entries per program of the split-K fold.
 FOLD_BLOCK = 1024
+#: Loop-free one-step launches (:func:`one_step_tile`); ``FUSED_PREACT_LOOP_FREE=0`` (read at import)
+#: keeps every reduction in its loop, to time the two against each other on a GPU.
+LOOP_FREE = os.environ.get("FUSED_PREACT_LOOP_FREE", "1") != "0"
 
 
 def p2(n: int, lo: int, hi: int) -> int:
@@ -59,8 +63,9 @@ def one_step_tile(cfg: GemmConfig) -> bool:
     tiles reach the 255-register limit (static, sm_80: a 128×64×64 fprop beside a projection takes
     255 and spills, 218 as a loop; a 64×128×64 dgrad with the residual spills on sm_90); smaller ones
     need fewer registers and a third of the shared memory (PreActResNet-164's 128×64×16 fprop beside
-    its projection on sm_90: 208 → 127 registers, 29 → 9 KiB). The interpreter takes any tile."""
-    return interpreting() or cfg.BLOCK_M * cfg.BLOCK_N * cfg.BLOCK_K <= 128 * 64 * 32
+    its projection on sm_90: 208 → 127 registers, 29 → 9 KiB). The interpreter takes any tile.
+    False for every tile with :data:`LOOP_FREE` off."""
+    return LOOP_FREE and (interpreting() or cfg.BLOCK_M * cfg.BLOCK_N * cfg.BLOCK_K <= 128 * 64 * 32)
 
 
 def fprop_unroll(cfg: GemmConfig, dtype: torch.dtype, arch: int) -> GemmConfig:
