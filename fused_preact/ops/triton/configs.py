@@ -18,7 +18,8 @@ from fused_preact.ops.spec import BNMode, ConvGeom
 
 __all__ = ["GemmConfig", "UnitPlan", "fprop_config", "fprop_unroll", "wgrad_unroll", "quad_channels", "dgrad_slots",
            "dgrad_config", "wgrad_config", "candidates", "wgrad_split", "split_for", "arch_of", "p2", "contig_nhwc",
-           "out_strides", "nhwc_strides_of", "is_channels_last", "max_offset", "INTERP_SUM_ROWS", "FOLD_BLOCK", "INT32_MAX"]
+           "out_strides", "nhwc_strides_of", "is_channels_last", "max_offset", "INTERP_SUM_ROWS", "FOLD_BLOCK", "INT32_MAX",
+           "one_step_tile", "LOOP_FREE"]
 
 INT32_MAX = 2**31 - 1
 #: Rows per statistics tile under the interpreter: its sums are sequential in fp32, so tiles stay short.
