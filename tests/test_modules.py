@@ -557,3 +557,45 @@ def test_torch_func_transforms_run_the_plain_ops():
     with pytest.raises(RuntimeError, match="torch.func"):
         tf.vmap(fused)(x)
     assert fused(x[0]).shape == (2, 6, 5, 5) and fused.last_backend == "triton"  # outside: fused again
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_grouped_conv1_beside_a_projection(groups, train):
+    """A basic block whose conv1 is grouped and whose projection shortcut reads the same pre-activation:
+    the projection's dgrad (fused into conv1's, one program per group) reads the shortcut's weight at
+    the group's global channels (it read the first group's for every group: input and bn1 gradients
+    off by 60–140%)."""
+    torch.manual_seed(0)
+    fused, eager = FusedPreActBlock(8, 16, backend="triton"), PreActBlock(8, 16)
+    fused.conv1 = nn.Conv2d(8, 16, 3, 1, 1, groups=groups, bias=False)
+    eager.conv1 = nn.Conv2d(8, 16, 3, 1, 1, groups=groups, bias=False)
+    _randomize_bn(fused)
+    eager.load_state_dict(fused.state_dict())
+    _compare(fused.to(DEVICE), eager.double(), torch.randn(2, 8, 6, 6), train)
+    assert fused.last_backend == "triton"
+
+
+@pytest.mark.parametrize("stride, planes", [(2, 4), (1, 8)])
+def test_bias_of_an_inner_conv_whose_output_is_not_the_largest_intermediate(stride, planes):
+    """A bottleneck whose conv2 has a bias: its gradient sums the head of the backward's scratch
+    buffer, which is sized for the largest intermediate (the view of the whole buffer raised when the
+    intermediates differ: a strided conv2, or conv1 wider than conv2). In eval mode against float64;
+    in training the next BatchNorm's batch mean removes the bias, and its gradient is 0 up to
+    rounding (a relative comparison with float64's ~1e-17 means nothing there)."""
+    torch.manual_seed(0)
+    fused, eager = FusedPreActBottleneck(16, planes, stride=stride, backend="triton"), PreActBottleneck(16, planes, stride)
+    if stride == 1:  # conv1 16 → 16, conv2 16 → planes: the intermediates differ in width
+        for m in (fused, eager):
+            m.conv1, m.bn2 = nn.Conv2d(16, 16, 1, bias=False), nn.BatchNorm2d(16)
+            m.conv2 = nn.Conv2d(16, planes, 3, 1, 1, bias=False)
+    fused.conv2.bias = nn.Parameter(torch.randn(planes) * 0.1)
+    eager.conv2.bias = nn.Parameter(torch.zeros(planes))
+    _randomize_bn(fused)
+    eager.load_state_dict(fused.state_dict())
+    fused = fused.to(DEVICE)
+    _compare(fused, eager.double(), torch.randn(2, 16, 6, 6), False)
+    assert fused.last_backend == "triton"
+    fused.zero_grad()
+    fused.train()(torch.randn(2, 16, 6, 6, device=DEVICE)).square().sum().backward()
+    assert fused.conv2.bias.grad.abs().max() <= 1e-5 * fused.conv2.weight.grad.abs().max()

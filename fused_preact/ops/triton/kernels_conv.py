@@ -315,7 +315,7 @@ def _dgrad_kernel(
         row2 = nb * sd2n + (hi // STRIDE2) * sd2h + (wi // STRIDE2) * sd2w
         arange_k2 = tl.arange(0, BLOCK_K2)
         dy2_ptrs = dy2_ptr + row2[:, None] + (arange_k2 * sd2c)[None, :]
-        w2_ptrs = w2_ptr + (arange_k2 * sw2k)[:, None] + (offs_n * sw2c)[None, :]
+        w2_ptrs = w2_ptr + (arange_k2 * sw2k)[:, None] + (c_in * sw2c)[None, :]  # groups=1: the global channel
         for k0 in range(0, BLOCK_K2 if STEPS else K2, BLOCK_K2):
             if EVEN_K2:
                 dyt2 = tl.load(dy2_ptrs + k0 * sd2c, mask=on_grid[:, None], other=0.0)

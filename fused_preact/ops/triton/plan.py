@@ -310,7 +310,10 @@ class TritonPlan:
         for i in reversed(range(n)):
             u = self.units[i]
             if needs.biases[i]:
-                grad_view = grad_in if i == n - 1 else grad_in.view(u.M_out, u.out_shape[1])
+                # an inner unit's output gradient: the head of a flat scratch buffer sized for the
+                # largest intermediate, contiguous NHWC
+                rows, cols = u.M_out, u.out_shape[1]
+                grad_view = grad_in if i == n - 1 else grad_in[: rows * cols].view(rows, cols)
                 grads.biases[i] = grad_view.sum((0, 2, 3) if i == n - 1 else 0, dtype=torch.float32)
             if i > 0:
                 target, target_strides = scratch[1 + (i - 1) % 2], contig_nhwc(u.in_shape)
