@@ -447,7 +447,7 @@ def decide(static: BackendChoice, key, spec: ChainSpec, x: torch.Tensor, t: Chai
         return static, None
     cands = _candidates(x, spec, cd)
     eligible = {c.name for c in cands if c.refused is None}
-    restricted = os.environ.get(ENV_CANDIDATES) is not None
+    restricted = bool(os.environ.get(ENV_CANDIDATES))  # as _allowed reads it
     if not eligible and restricted:
         return BackendChoice(static.backend, static.skipped + (
             f"{ENV_CANDIDATES}: no allowed candidate can serve this input; static priority",)), None
