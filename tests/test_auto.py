@@ -260,22 +260,6 @@ def test_candidates_can_be_restricted(monkeypatch):
     assert sorted(timer.calls) == ["reference", "triton"] and m.last_backend == "reference"
 
 
-@pytest.mark.parametrize("only", ["reference", "recompute"])
-def test_one_allowed_candidate_runs(monkeypatch, only):
-    """A restriction to one backend runs that backend (validated by the trials), not the static
-    order's choice (triton ran: fewer than two candidates fell back to the static order); a name that
-    is no backend raises."""
-    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", only)
-    timer = Timer()
-    m = _block()
-    with auto.measuring(devices=(DEVICE,), timer=timer):
-        m(_x())
-    assert timer.calls == [only] and m.last_backend == only
-    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", "reference,tritn")
-    with pytest.raises(ValueError, match="unknown backends"), auto.measuring(devices=(DEVICE,), timer=timer):
-        _block()(_x())
-
-
 # ---------------------------------------------------------------------------- capture and compile
 def test_capture_uses_held_decisions_or_the_static_order(monkeypatch):
     """Inside CUDA-graph capture (simulated: the query patched) nothing is measured: a decision held

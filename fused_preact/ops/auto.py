@@ -37,10 +37,7 @@ Environment:
                                           :data:`~fused_preact.ops.backends.PRIORITY`, nothing measured)
     ``FUSED_PREACT_DISPATCH_CACHE``       path of the decisions' JSON file, or ``none`` (memory only).
                                           Default ``$XDG_CACHE_HOME/fused_preact/dispatch-<device>-triton<v>.json``
-    ``FUSED_PREACT_DISPATCH_CANDIDATES``  comma-separated backend names allowed as candidates (default: all;
-                                          an unknown name raises ValueError). One allowed
-                                          candidate that serves the input is still validated and
-                                          runs; none: the static order, with the reason
+    ``FUSED_PREACT_DISPATCH_CANDIDATES``  comma-separated backend names allowed as candidates (default: all)
 
 Sources: timing candidates at first use is ``torch.backends.cudnn.benchmark``'s and Inductor's
 max-autotune's approach; validating them against a reference before trusting them is added here.
@@ -313,14 +310,7 @@ def signature(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BN
 # --------------------------------------------------------------------------------------- choosing
 def _allowed() -> Optional[set]:
     env = os.environ.get(ENV_CANDIDATES)
-    if not env:
-        return None
-    names = {n.strip() for n in env.split(",") if n.strip()}
-    unknown = sorted(names - set(BACKENDS))
-    if unknown:
-        raise ValueError(f"fused_preact: {ENV_CANDIDATES} names unknown backends {unknown}; "
-                         f"expected some of {sorted(BACKENDS)}")
-    return names
+    return {n.strip() for n in env.split(",") if n.strip()} if env else None
 
 
 def _candidates(x: torch.Tensor, spec: ChainSpec, cd: torch.dtype) -> list[Candidate]:
@@ -447,11 +437,7 @@ def decide(static: BackendChoice, key, spec: ChainSpec, x: torch.Tensor, t: Chai
         return static, None
     cands = _candidates(x, spec, cd)
     eligible = {c.name for c in cands if c.refused is None}
-    restricted = bool(os.environ.get(ENV_CANDIDATES))  # as _allowed reads it
-    if not eligible and restricted:
-        return BackendChoice(static.backend, static.skipped + (
-            f"{ENV_CANDIDATES}: no allowed candidate can serve this input; static priority",)), None
-    if len(eligible) < 2 and not restricted:  # nothing to choose between: the static order's choice
+    if len(eligible) < 2:
         return static, None
     timed = "forward+backward" if torch.is_grad_enabled() or any(m.kind == BATCH for m in modes) else "forward"
     sig = signature(spec, x, t, modes, cd, out_stats, memory, timed)
