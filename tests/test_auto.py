@@ -260,6 +260,86 @@ def test_candidates_can_be_restricted(monkeypatch):
     assert sorted(timer.calls) == ["reference", "triton"] and m.last_backend == "reference"
 
 
+def test_one_allowed_candidate_is_validated_and_runs(monkeypatch):
+    """One name: that backend (not the static order's triton) runs, validated and timed on its own."""
+    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", "recompute")
+    timer = Timer()
+    m = _block()
+    with auto.measuring(devices=(DEVICE,), timer=timer):
+        m(_x())
+    d = _decision(m)
+    assert timer.calls == ["recompute"] and m.last_backend == "recompute"
+    assert d.source == "measured" and [c.name for c in d.candidates] == ["recompute"] and d.candidates[0].valid
+
+
+def test_allowed_candidates_failing_validation_leave_the_unfused_path(monkeypatch):
+    monkeypatch.setitem(BACKENDS, "wrong", WrongBackend)
+    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", "wrong")
+    m = _block()
+    with auto.measuring(devices=(DEVICE,), timer=Timer()), pytest.warns(RuntimeWarning, match="'wrong'"):
+        m(_x())
+    assert m.last_backend == "reference" and "leaves no other" in m.fallback_reason
+
+
+def test_decisions_are_kept_per_allowed_set(monkeypatch):
+    """A decision measured under a restriction is served neither without it (memory or disk) nor under
+    another; each set's decision is served to calls under that set."""
+    x = _x()
+    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", "reference")
+    with auto.measuring(devices=(DEVICE,), timer=Timer()):
+        _block()(x)
+    monkeypatch.delenv("FUSED_PREACT_DISPATCH_CANDIDATES")
+    timer = Timer()
+    m = _block()
+    with auto.measuring(devices=(DEVICE,), timer=timer):
+        m(x)
+    assert sorted(timer.calls) == ["recompute", "reference", "triton"] and m.last_backend == "recompute"
+    auto.forget()  # from the disk cache now: each set gets its own decision, nothing measured
+    for allowed, winner in (("reference", "reference"), (None, "recompute")):
+        if allowed:
+            monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", allowed)
+        else:
+            monkeypatch.delenv("FUSED_PREACT_DISPATCH_CANDIDATES")
+        m = _block()
+        with auto.measuring(devices=(DEVICE,), timer=_forbidden):
+            m(x)
+        assert m.last_backend == winner and _decision(m).source == "disk cache"
+    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", "triton, recompute")
+    timer = Timer()
+    with auto.measuring(devices=(DEVICE,), timer=timer):
+        _block()(x)
+    assert sorted(timer.calls) == ["recompute", "triton"]
+
+
+@pytest.mark.parametrize("names", ["tritn", "triton,cudnn"])
+def test_an_unknown_candidate_name_raises(monkeypatch, names):
+    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", names)
+    with pytest.raises(ValueError, match="FUSED_PREACT_DISPATCH_CANDIDATES"):
+        _block()(_x())
+
+
+def test_the_restriction_holds_where_nothing_is_measured(monkeypatch):
+    """priority mode and CUDA-graph capture take the static order among the allowed backends; a
+    restriction no backend can serve runs the static order and says so."""
+    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", "recompute")
+    monkeypatch.setenv("FUSED_PREACT_DISPATCH", "priority")
+    m = _block()
+    m(_x())
+    assert m.last_backend == "recompute" and m.fallback_reason is None
+    monkeypatch.setenv("FUSED_PREACT_DISPATCH", "measure")
+    monkeypatch.setattr(auto, "_capturing", lambda device: True)
+    m = _block(memory="lean", backend="auto")
+    with auto.measuring(devices=(DEVICE,), timer=_forbidden):
+        m(_x())
+    assert m.last_backend == "recompute" and "CUDA-graph capture" in m.fallback_reason
+    monkeypatch.setattr(auto, "_capturing", lambda device: False)
+    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", "triton")
+    m = _block().double()  # float64: triton refuses
+    with auto.measuring(devices=(DEVICE,), timer=_forbidden):
+        m(_x().double())
+    assert m.last_backend == "reference" and "no allowed backend" in m.fallback_reason
+
+
 # ---------------------------------------------------------------------------- capture and compile
 def test_capture_uses_held_decisions_or_the_static_order(monkeypatch):
     """Inside CUDA-graph capture (simulated: the query patched) nothing is measured: a decision held
@@ -303,6 +383,26 @@ def test_compile_never_measures_nor_breaks_the_graph():
         twin = PreActBlock(4, 8, 2).to(DEVICE)
         twin.load_state_dict(_block(FusedPreActBlock, (4, 8, 2)).state_dict())
         assert_close(y, twin.double()(x.double()), torch.float32, "compiled output")
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compile_traces_an_allowed_backend(monkeypatch):
+    """Under a restriction, compile tracing replaces a decision that does not trace by the fastest
+    allowed candidate that does, else the unfused reference (never a disallowed triton)."""
+    x = _x(4)
+    try:
+        for allowed, traced in (("recompute,triton", "triton"), ("recompute", "reference")):
+            monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", allowed)
+            with auto.measuring(devices=(DEVICE,), timer=Timer({"triton": 3.0, "recompute": 1.0, "reference": 2.0})):
+                eager = _block(FusedPreActBlock, (4, 8, 2))
+                eager(x)
+            assert eager.last_backend == "recompute"
+            with auto.measuring(devices=(DEVICE,), timer=_forbidden):
+                m = _block(FusedPreActBlock, (4, 8, 2))
+                torch.compile(m, fullgraph=True, backend="aot_eager")(x).sum().backward()
+            assert m.last_backend == traced and "does not run under torch.compile" in m.fallback_reason
+            torch._dynamo.reset()
     finally:
         torch._dynamo.reset()
 

@@ -37,7 +37,12 @@ Environment:
                                           :data:`~fused_preact.ops.backends.PRIORITY`, nothing measured)
     ``FUSED_PREACT_DISPATCH_CACHE``       path of the decisions' JSON file, or ``none`` (memory only).
                                           Default ``$XDG_CACHE_HOME/fused_preact/dispatch-<device>-triton<v>.json``
-    ``FUSED_PREACT_DISPATCH_CANDIDATES``  comma-separated backend names allowed as candidates (default: all)
+    ``FUSED_PREACT_DISPATCH_CANDIDATES``  comma-separated backend names allowed (default, or empty: all).
+                                          It bounds every path: the candidates measured (one name: that
+                                          backend, validated and timed alone), the static order under
+                                          ``priority``, capture and compile tracing, and decisions are
+                                          keyed on it. An unknown name raises ValueError. Read when a
+                                          signature is first seen (modules keep their plans).
 
 Sources: timing candidates at first use is ``torch.backends.cudnn.benchmark``'s and Inductor's
 max-autotune's approach; validating them against a reference before trusting them is added here.
@@ -59,7 +64,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from fused_preact.ops.backends import BACKENDS, BackendChoice, TritonBackend
+from fused_preact.ops.backends import BACKENDS, PRIORITY, BackendChoice, ReferenceBackend, TritonBackend
 from fused_preact.ops.spec import BATCH, BNMode, ChainSpec, ChainTensors
 from fused_preact.ops.trial import Candidate, Timer, cuda_timer, host_timer, run_trials
 from fused_preact.ops.triton.tuning import TuneCache, default_cache_path
@@ -169,7 +174,7 @@ class MeasureSettings:
 
 #: The process's measurement settings (see :func:`measuring`).
 SETTINGS = MeasureSettings()
-#: Decisions of this process by run_chain signature (what torch.compile tracing may read).
+#: Decisions of this process by (run_chain signature, allowed candidates) (what torch.compile tracing may read).
 _BY_KEY: dict = {}
 #: The same decisions by device fingerprint and signature in words: plan keys finer than it (requires_grad, grad mode
 #: beside the timed mode) share one decision in a process.
@@ -285,11 +290,12 @@ def decision_cache(device: torch.device) -> TuneCache:
 
 
 def signature(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BNMode, ...], cd: torch.dtype,
-              out_stats: bool, memory: str, timed: str) -> str:
+              out_stats: bool, memory: str, timed: str, candidates: Optional[frozenset] = None) -> str:
     """The decision's key in words: the chain (convs, shortcut, BN modes), the compute, input, residual
     and every parameter's and buffer's dtype (by slot), each BatchNorm's eps, the input's shape and
-    layout, the statistics handoffs, policy and timed mode: everything the validation behind a decision
-    depended on, so a decision is never served to a call it was not validated for."""
+    layout, the statistics handoffs, policy, timed mode and the allowed candidates (``candidates``,
+    None for all): everything the validation behind a decision depended on, so a decision is never
+    served to a call it was not validated for."""
     from fused_preact.ops.library import encode_key
 
     rd = t.residual.dtype if t.residual is not None else None
@@ -304,17 +310,42 @@ def signature(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BN
     eps = ",".join(repr(float(e)) for e in t.eps)
     return (f"{encode_key(spec, modes, cd, rd)}|x{tuple(x.shape)}:{str(x.dtype).replace('torch.', '')}:{layout}"
             f"|params:{params}|eps:{eps}|in_stats:{int(t.in_stats is not None)}|out_stats:{int(out_stats)}"
-            f"|memory:{memory}|{timed}")
+            f"|memory:{memory}|{timed}" + (f"|candidates:{','.join(sorted(candidates))}" if candidates else ""))
 
 
 # --------------------------------------------------------------------------------------- choosing
-def _allowed() -> Optional[set]:
-    env = os.environ.get(ENV_CANDIDATES)
-    return {n.strip() for n in env.split(",") if n.strip()} if env else None
+def _allowed() -> Optional[frozenset]:
+    """The backend names ``FUSED_PREACT_DISPATCH_CANDIDATES`` allows; None (unset or empty) for all.
+
+    Raises:
+        ValueError: a name that is not a backend of :data:`~fused_preact.ops.backends.BACKENDS`.
+    """
+    names = frozenset(n.strip() for n in os.environ.get(ENV_CANDIDATES, "").split(",") if n.strip())
+    unknown = sorted(names - set(BACKENDS))
+    if unknown:
+        raise ValueError(f"fused_preact: {ENV_CANDIDATES} names unknown backends {unknown}; expected names of "
+                         f"{list(BACKENDS)}")
+    return names or None
 
 
-def _candidates(x: torch.Tensor, spec: ChainSpec, cd: torch.dtype) -> list[Candidate]:
-    allowed = _allowed()
+def _restrict(static: BackendChoice, allowed: Optional[frozenset], memory: str, x: torch.Tensor, spec: ChainSpec,
+              cd: torch.dtype) -> BackendChoice:
+    """The static choice among the ``allowed`` backends: the first of the static order (then the other
+    backends) that is allowed and serves the input; the unrestricted one, saying so, where none does."""
+    if allowed is None or static.name in allowed:
+        return static
+    skipped: list[str] = []
+    for name in dict.fromkeys((*(LEAN_PRIORITY if memory == "lean" else PRIORITY), *BACKENDS)):
+        if name in allowed:
+            reasons = BACKENDS[name].not_supported_reasons(x, spec, cd)
+            if not reasons:
+                return BackendChoice(BACKENDS[name], tuple(skipped))
+            skipped.append(f"{name}: " + "; ".join(reasons))
+    return BackendChoice(static.backend, static.skipped + (
+        f"{ENV_CANDIDATES}: no allowed backend can serve this input ({'; '.join(skipped)}); static priority",))
+
+
+def _candidates(x: torch.Tensor, spec: ChainSpec, cd: torch.dtype, allowed: Optional[frozenset]) -> list[Candidate]:
     out = []
     for name, cls in BACKENDS.items():
         if allowed is not None and name not in allowed:
@@ -359,8 +390,8 @@ def _choice(d: Decision, skipped: tuple = ()) -> BackendChoice:
 
 
 def _held(key, sig: str, x: torch.Tensor, eligible: set, disk: bool) -> Optional[Decision]:
-    """A decision this process holds for ``key`` (or, with ``disk``, the disk cache for ``sig``) whose
-    winner can still serve the input."""
+    """A decision this process holds for ``key`` (run_chain's signature and the allowed candidates) or
+    ``sig`` (or, with ``disk``, the disk cache for ``sig``) whose winner can still serve the input."""
     d = _BY_KEY.get(key) or _BY_SIG.get(f"{_fingerprint(x.device)}|{sig}")
     if d is not None and d.source == "measured":
         d = dataclasses.replace(d, source="process")
@@ -393,6 +424,9 @@ def _measure(static: BackendChoice, spec, x, t, modes, cd, out_stats, memory, si
             warnings.warn(f"fused_preact: backend {c.name!r} failed validation against float64 and is excluded from "
                           f"backend='auto' for this signature: {c.error}", RuntimeWarning, stacklevel=2)
     winner, note = _pick(cands, memory)
+    if winner is None and not any(c.name == "reference" for c in runnable):  # the allowed ones failed
+        return Decision(sig, "reference", "static", memory, timed, cands,
+                        f"{note} ({ENV_CANDIDATES} leaves no other): the unfused eager path runs"), None, False
     if winner is None:  # eager itself failed: nothing can be trusted, run the static choice and say so
         return Decision(sig, static.name, "static", memory, timed, cands, note), None, False
     return Decision(sig, winner, "measured", memory, timed, cands, note), trials.plans.get(winner), True
@@ -421,26 +455,28 @@ def decide(static: BackendChoice, key, spec: ChainSpec, x: torch.Tensor, t: Chai
         ValueError: unknown ``memory`` policy or ``FUSED_PREACT_DISPATCH`` value.
     """
     check_memory(memory)
+    allowed = _allowed()
+    key = (key, allowed)
     if torch.compiler.is_compiling():  # nothing measured, nothing read from disk while tracing
         d = _BY_KEY.get(key)
         if d is not None:
             return _choice(d), None
-        choice = _static(static, memory, x, spec, cd)
+        choice = _restrict(_static(static, memory, x, spec, cd), allowed, memory, x, spec, cd)
         return BackendChoice(choice.backend, choice.skipped + (
             "torch.compile tracing: backend='auto' does not measure here and this process holds no decision for "
             "this signature (run it once eagerly first); static priority",)), None
     mode = (os.environ.get(ENV_MODE) or "measure").strip().lower()
     if mode not in ("measure", "priority"):
         raise ValueError(f"fused_preact: {ENV_MODE}={mode!r}; expected 'measure' or 'priority'")
-    static = _static(static, memory, x, spec, cd)
+    static = _restrict(_static(static, memory, x, spec, cd), allowed, memory, x, spec, cd)
     if mode == "priority" or x.device.type not in SETTINGS.devices:
         return static, None
-    cands = _candidates(x, spec, cd)
+    cands = _candidates(x, spec, cd, allowed)
     eligible = {c.name for c in cands if c.refused is None}
-    if len(eligible) < 2:
+    if len(eligible) < (1 if allowed else 2):  # one allowed candidate is still validated before it runs
         return static, None
     timed = "forward+backward" if torch.is_grad_enabled() or any(m.kind == BATCH for m in modes) else "forward"
-    sig = signature(spec, x, t, modes, cd, out_stats, memory, timed)
+    sig = signature(spec, x, t, modes, cd, out_stats, memory, timed, allowed)
     if _capturing(x.device):
         d = _held(key, sig, x, eligible, disk=True)
         if d is not None:
@@ -459,7 +495,8 @@ def decide(static: BackendChoice, key, spec: ChainSpec, x: torch.Tensor, t: Chai
         _BY_SIG[f"{_fingerprint(x.device)}|{sig}"] = d
         logger.info("fused_preact: auto for %s: %s", sig, d.summary())
         return _choice(d), plan
-    return BackendChoice(static.backend, static.skipped + (d.note,), d), None
+    backend = ReferenceBackend if d.winner == "reference" else static.backend
+    return BackendChoice(backend, static.skipped + (d.note,), d), None
 
 
 def traceable(choice: BackendChoice, spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BNMode, ...],
@@ -469,9 +506,12 @@ def traceable(choice: BackendChoice, spec: ChainSpec, x: torch.Tensor, t: ChainT
     (:data:`TRACEABLE`), else triton where it serves and was not rejected, else the reference.
     Returns ``(choice, plan)`` (plan None for the reference); the choice's reason says what happened."""
     d = choice.decision
+    allowed = _allowed()
     rejected = {c.name for c in (d.candidates if d else []) if c.valid is False}
-    timed = sorted((c for c in (d.candidates if d else []) if c.valid and c.ms is not None and c.name in TRACEABLE),
-                   key=lambda c: c.ms)
+    if allowed is not None:  # the restriction holds here too, but for the reference: something must trace
+        rejected |= set(TRACEABLE) - allowed
+    timed = sorted((c for c in (d.candidates if d else []) if c.valid and c.ms is not None and c.name in TRACEABLE
+                    and c.name not in rejected), key=lambda c: c.ms)
     if timed:
         name = timed[0].name
     elif "triton" not in rejected and not TritonBackend.not_supported_reasons(x, spec, cd):
