@@ -309,6 +309,51 @@ def test_converted_block_runs_its_original_forward_after_its_attributes_change(a
         model[0].fallback_reason
 
 
+class InPlaceScheduledBlock(CifarPreActBlock):
+    """A residual scale its forward reads from a dict, a list and a plain tensor (a schedule changes
+    them in place)."""
+
+    def __init__(self, planes):
+        super().__init__(planes, planes)
+        self.cfg, self.scales, self.res_t, self.tags = {"res_scale": 1.0}, [1.0, float("nan")], torch.ones(1), {"a"}
+
+    def forward(self, x):
+        scale = self.cfg["res_scale"] * self.scales[0] * self.res_t
+        return x + scale * self.conv2(F.relu(self.bn2(self.conv1(F.relu(self.bn1(x))))))
+
+
+@pytest.mark.parametrize("attr", ["cfg", "scales", "res_t"])
+def test_converted_block_sees_attributes_changed_in_place(attr):
+    """An attribute the original forward reads changed in place after ``convert()`` — a dict entry, a
+    list element, a plain tensor's value — runs the original forward with the reason recorded (the
+    fused reading ignored it: output off by O(1), silently); unchanged ones, also after a deepcopy
+    and a torch.save/load round trip (a NaN in a list, a tensor at another version), stay fused."""
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(InPlaceScheduledBlock(4)).train()
+    eager = copy.deepcopy(model)
+    _, report = convert(model, report=True)
+    assert [r.name for r in report.replaced] == ["0"], _reasons(report)
+    x = torch.randn(2, 4, 6, 6)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for m in (model, copy.deepcopy(model), torch.load(buf, weights_only=False)):
+        assert_close(m(x), eager(x), torch.float32, "unchanged")
+        assert m[0].last_backend != "reference", m[0].fallback_reason
+    for m in (model, eager):
+        if attr == "cfg":
+            m[0].cfg["res_scale"] = 0.2
+        elif attr == "scales":
+            m[0].scales[0] = 0.2
+        else:
+            m[0].res_t.mul_(0.2)
+    assert_close(model(x), eager(x), torch.float32, attr)
+    assert model[0].last_backend == "reference" and f"attributes changed since convert() ({attr})" in \
+        model[0].fallback_reason
+
+
 def test_a_block_used_twice_stays_one_module():
     """A block object used twice (applied twice: shared weights) is one converted module, as it was one
     module: a hook registered on it afterwards fires at both uses, as eager's does (each use got its

@@ -3,6 +3,7 @@ residual block running its BN → ReLU → Conv steps as one fused chain) and :c
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -52,9 +53,11 @@ class ConvertedPreActBlock(FusedModuleBase):
     fused backend raises): a shortcut turned into a projection, a norm without its ReLU, are then
     computed as the original block computes them. The same when one of the original block's own
     public attributes (copied onto this block, e.g. a residual scale or a dropout rate its forward
-    reads) is assigned another value (``_changed_attributes``; a mutable attribute changed in place
-    is not seen). Replacing a child by one of the same type, a hook, or a changed attribute of a child
-    is read by the fused path on every call, as before.
+    reads) is assigned another value or changed in place (``_changed_attributes``: a list, dict or set
+    of plain values is compared with a copy taken at conversion, a plain tensor by its version counter
+    — not under torch.compile tracing, which cannot read it; another mutable object changed in place is
+    not seen). Replacing a child by one of the same type, a hook, or a changed attribute of a child is
+    read by the fused path on every call, as before.
 
     Attributes:
         backend: requested backend (``"auto"``, ``"triton"``, ``"reference"``).
@@ -65,6 +68,8 @@ class ConvertedPreActBlock(FusedModuleBase):
         source_type: the original block's qualified class name.
         _convert_layout: ((module path, type), …) of every module below the block at conversion.
         _source_attrs: the original block's public non-module attributes at conversion.
+        _source_snaps: for those of them that can change in place, what they held at conversion
+            (:func:`_snapshot`).
 
     Shapes and dtypes: those of the original block (input (N, C, H, W)).
     Raises (in forward): as :func:`fused_preact.modules.run_units` (bad rank or channels, forced backend that
@@ -95,6 +100,7 @@ class ConvertedPreActBlock(FusedModuleBase):
                               if not k.startswith("_") and k != "training" and k not in block._modules
                               and k not in self.__dict__ and not hasattr(type(self), k)}
         self.__dict__.update(self._source_attrs)
+        self._source_snaps = {k: snap for k, v in self._source_attrs.items() if (snap := _snapshot(v)) is not None}
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, shortcut={_MODES[self.shortcut_mode]!r}, source={self.source_type}"
@@ -139,9 +145,11 @@ class ConvertedPreActBlock(FusedModuleBase):
 
     def _changed_attributes(self) -> list[str]:
         """The original's public attributes (``_source_attrs``) assigned another value since
-        conversion (an immutable value compared by value, any other by identity) or deleted."""
-        d = self.__dict__
-        return [k for k, v in self._source_attrs.items() if not _same(d.get(k, _MISSING), v)]
+        conversion (an immutable value compared by value, any other by identity), deleted, or changed
+        in place where :func:`_snapshot` can tell."""
+        d, snaps = self.__dict__, self.__dict__.get("_source_snaps", {})  # a pickle of an older version
+        return [k for k, v in self._source_attrs.items()
+                if not _same(d.get(k, _MISSING), v) or (k in snaps and _changed_in_place(v, snaps[k]))]
 
     def _source_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The original class's forward on the block's current children, training mode and public
@@ -186,6 +194,56 @@ def _same(a: object, b: object) -> bool:
     if isinstance(a, tuple):  # element by element (torch.compile cannot trace ``is`` between tuples)
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return a is b
+
+
+def _plain_value(v: object) -> bool:
+    """A scalar, or a list, tuple, dict, set or frozenset of plain values (dict keys: scalars)."""
+    if isinstance(v, _SCALARS):
+        return True
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return all(_plain_value(e) for e in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, _SCALARS) and _plain_value(e) for k, e in v.items())
+    return False
+
+
+def _snapshot(v: object) -> Optional[list]:
+    """What tells an attribute value changed in place: for a plain tensor ``[version, copy]`` (its
+    version counter, bumped by every in-place op, and its value; no copy above 65,536 elements), for
+    a list, dict or set of plain values a deep copy; None for anything else (immutable, or not
+    comparable)."""
+    if isinstance(v, torch.Tensor):
+        return [v._version, v.detach().clone() if v.numel() <= 1 << 16 else None]
+    if isinstance(v, (list, dict, set)) and _plain_value(v):
+        return [copy.deepcopy(v)]
+    return None
+
+
+def _changed_in_place(v: object, snap: list) -> bool:
+    """Whether ``v`` no longer holds what :func:`_snapshot` took. A tensor is compared by value only
+    when its version moved (a copy, e.g. after torch.save/load, starts at another version: equal
+    values renew the snapshot's version); not under torch.compile tracing, which cannot read it."""
+    if not isinstance(v, torch.Tensor):
+        return not _equal(v, snap[0])
+    if torch.compiler.is_compiling() or v._version == snap[0]:
+        return False
+    ref = snap[1]
+    if ref is None or v.shape != ref.shape or v.dtype != ref.dtype or not torch.equal(v.detach().to(ref.device), ref):
+        return True
+    snap[0] = v._version
+    return False
+
+
+def _equal(a: object, b: object) -> bool:
+    """Plain values equal element by element, NaN equal to NaN (a float in a list comes back from
+    pickling as another object)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return a == b or (isinstance(a, float) and a != a and b != b)
 
 
 def _layout(block: nn.Module) -> tuple[tuple[str, type], ...]:
