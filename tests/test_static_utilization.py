@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tools.static_report.utilization import mma_utilization, useful_bound, useful_figures
+from tools.static_report.utilization import (
+    PEAKS,
+    memory_ratio,
+    mma_utilization,
+    roofline_figures,
+    useful_bound,
+    useful_figures,
+)
 
 GEO = dict(GROUPS=1, R=3, S=3, STRIDE_H=1, STRIDE_W=1, PAD_H=1, PAD_W=1, DIL_H=1, DIL_W=1)
 
@@ -90,3 +97,78 @@ def test_utilization_reads_the_launchers_keywords():
     assert utils["wgrad"] == [0.25, 0.25, 0.25]
     assert utils["wgrad_proj"] == [1.0]  # its own tile: the interpreter's, fitted to the channels
     assert 0.75 in utils["dgrad"]  # the 3×3's slots
+
+
+LAYER = dict(H=32, W=32, C=16, P=32, Q=32, K=16, R=3, S=3, GROUPS=1, DOT_DTYPE="bf16")
+B16 = {"x_ptr": 2, "y_ptr": 2, "dy_ptr": 2, "out_ptr": 2}
+
+
+def test_memory_ratio_counts_each_activation_once():
+    """PreActResNet-164's 3×3 16→16 at 32² on sm_90: 64 bytes of activations per pixel (x and y in bf16)
+    against 2,304 MACs: memory takes 4.1× the tensor time at H100's peaks; dgrad reads x for its mask
+    and writes the gradient (96 bytes), wgrad reads x and dy; a residual, fp32 inputs and a stride add
+    or remove their bytes."""
+    mac16, mac32, bw = PEAKS["sm_90"]
+    per_pixel = lambda nbytes, macs, rate=mac16: (nbytes / bw) / (macs / rate)
+    assert memory_ratio("fprop", LAYER, B16, "sm_90") == pytest.approx(per_pixel(64, 2304))
+    assert memory_ratio("fprop", LAYER, B16, "sm_90") == pytest.approx(4.102, abs=1e-3)
+    assert memory_ratio("dgrad", LAYER, B16, "sm_90") == pytest.approx(per_pixel(96, 2304))
+    assert memory_ratio("wgrad", LAYER, B16, "sm_90") == pytest.approx(per_pixel(64, 2304))
+    assert memory_ratio("fprop", {**LAYER, "HAS_RES": True}, B16, "sm_90") == pytest.approx(per_pixel(96, 2304))
+    assert memory_ratio("wgrad", LAYER, {**B16, "x_ptr": 4}, "sm_90") == pytest.approx(per_pixel(96, 2304))
+    strided = {**LAYER, "P": 16, "Q": 16}  # four input pixels per output pixel
+    assert memory_ratio("fprop", strided, B16, "sm_90") == pytest.approx(per_pixel(4 * 32 + 32, 2304))
+    tf32 = {**LAYER, "DOT_DTYPE": "fp32", "INPUT_PRECISION": "tf32"}
+    assert memory_ratio("fprop", tf32, {"x_ptr": 4, "y_ptr": 4}, "sm_90") == pytest.approx(per_pixel(128, 2304, mac32))
+    mac16_80, _, bw80 = PEAKS["sm_80"]
+    assert memory_ratio("fprop", LAYER, B16, "sm_80") == pytest.approx((64 / bw80) / (2304 / mac16_80))
+
+
+def test_memory_ratio_is_none_where_not_modelled():
+    assert memory_ratio("fprop", {**LAYER, "HAS_PROJ": True}, B16, "sm_90") is None  # a second GEMM
+    assert memory_ratio("fprop", {**LAYER, "DOT_DTYPE": "fp32", "INPUT_PRECISION": "ieee"}, B16, "sm_90") is None
+    assert memory_ratio("fprop", LAYER, B16, "sm_75") is None
+    assert memory_ratio("dx", LAYER, B16, "sm_90") is None
+    assert memory_ratio("fprop", {"C": 16, "K": 16}, B16, "sm_90") is None
+
+
+def test_roofline_figures_take_the_worst_default_layer():
+    """excess = max(b, m) / max(1, m): 1 where the memory floor covers the loop's bound, b / m above it,
+    b where the launch is tensor-bound (m < 1); candidates' layers are not judged."""
+    def entry(ratio, util, mem, defaults, kernel="fprop"):
+        return {**_entry(ratio, util, defaults, kernel), "mem_ratio": mem}
+
+    figs = roofline_figures([entry(6.0, {"a": 1.0, "b": 1.0}, {"a": 4.0, "b": 8.0}, ["a", "b"]),
+                             entry(9.0, {"c": 1.0}, {"c": 1.0}, []),  # a candidate: not judged
+                             entry(2.0, {"d": 0.5}, {"d": 0.5}, ["d"], kernel="wgrad"),
+                             entry(0.5, {"e": 1.0}, {"e": 3.0}, ["e"], kernel="dgrad")])
+    assert list(figs) == ["triton wgrad [1x1s1] bf16 sm_90", "triton fprop [1x1s1] bf16 sm_90",
+                          "triton dgrad [1x1s1] bf16 sm_90"]
+    assert figs["triton fprop [1x1s1] bf16 sm_90"] == {"excess": 1.5, "layer": "a", "useful_bound": 6.0,
+                                                        "memory_ratio": 4.0}
+    assert figs["triton wgrad [1x1s1] bf16 sm_90"]["excess"] == 4.0  # tensor-bound: the useful bound itself
+    assert figs["triton dgrad [1x1s1] bf16 sm_90"]["excess"] == 1.0
+    assert roofline_figures([_entry(6.0, {"a": 1.0}, ["a"])]) == {}  # no memory ratio: not judged
+
+
+def test_memory_ratio_reads_the_launchers_keywords():
+    """Every convolution launch of PreActResNet-164's first bottleneck (16 → 64 channels, a projection)
+    carries what the memory ratio reads; each one it models is memory-bound at H100's peaks."""
+    from fused_preact.bench.shapes import enumerate_blocks
+    from fused_preact.ops import BATCH, BNMode
+    from tools.static_report.compile import element_bytes
+    from tools.static_report.jobs import _chain, _record
+
+    block = next(b for b in enumerate_blocks("preact_resnet164", 2) if b.name.endswith("layer1.0"))
+    spec, x_shape = _chain(block)
+    modes = tuple(BNMode(BATCH, True, True) for _ in spec.convs)
+    _, launches = _record(spec, modes, x_shape, torch.float16, True)
+    kernels = set()
+    for rec in launches:
+        m = memory_ratio(rec.name, rec.kwargs, element_bytes(rec.fn, rec.args), "sm_90")
+        if rec.name in ("fprop", "dgrad", "wgrad", "wgrad_proj") and not rec.kwargs.get("HAS_PROJ"):
+            assert m is not None and m > 1.0, (rec.name, rec.kwargs)
+            kernels.add(rec.name)
+        else:
+            assert m is None, rec.name
+    assert kernels == {"fprop", "dgrad", "wgrad", "wgrad_proj"}

@@ -46,7 +46,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from tools.static_report.jobs import StaticJob
 from tools.static_report.sass import cubin_metrics, demangle, short_name
-from tools.static_report.utilization import mma_utilization
+from tools.static_report.utilization import memory_ratio, mma_utilization
 
 __all__ = ["specialize", "triton_entries", "csrc_entries", "import_attr", "PARSER_VERSION"]
 
@@ -223,6 +223,13 @@ def _cache_path(cache_dir: Optional[Path], key: str) -> Optional[Path]:
     return None if cache_dir is None else cache_dir / f"v{PARSER_VERSION}" / key[:2] / f"{key}.json"
 
 
+def element_bytes(fn, args: Sequence) -> dict[str, int]:
+    """Element size in bytes of a launch's tensor arguments ``args`` by the parameter names of the
+    kernel ``fn`` (a Triton JIT function, compiled or interpreted)."""
+    return {n: a.dtype.itemsize for n, a in zip(fn.arg_names, args)
+            if isinstance(getattr(getattr(a, "dtype", None), "itemsize", None), int)}
+
+
 def triton_entries(jobs: Sequence[StaticJob], archs: Sequence[int], processes: int = 2,
                    cache_dir: Optional[Path] = None, sass_dir: Optional[Path] = None,
                    log: Callable[[str], None] = print, kind: str = "triton") -> tuple[list[dict], dict]:
@@ -231,8 +238,10 @@ def triton_entries(jobs: Sequence[StaticJob], archs: Sequence[int], processes: i
     distinct compilation, labelled by its first job, with ``shapes`` listing every job's shape and
     ``roles`` every job's non-empty :attr:`StaticJob.role` (sorted: a config can be the default and a
     candidate at once); a convolution's entry also has ``mma_util``, per shape the smallest
-    :func:`~tools.static_report.utilization.mma_utilization` of its launches there, and
-    ``default_shapes``, the shapes where it runs untuned (a default or a role-less job)."""
+    :func:`~tools.static_report.utilization.mma_utilization` of its launches there,
+    ``default_shapes``, the shapes where it runs untuned (a default or a role-less job), and
+    ``mem_ratio``, per shape the largest :func:`~tools.static_report.utilization.memory_ratio` of
+    its launches there (where it is defined)."""
     groups: dict[str, dict] = {}
     for job in jobs:
         for arch in archs:
@@ -249,13 +258,16 @@ def triton_entries(jobs: Sequence[StaticJob], archs: Sequence[int], processes: i
                 sig, const = _describe_spec(spec, names)
                 g = groups[spec.key] = {"job": job, "arch": arch, "spec": spec, "shapes": [], "signature": sig,
                                         "constexprs": const, "jobs": 0, "roles": set(), "util": {},
-                                        "default_shapes": set()}
+                                        "mem": {}, "default_shapes": set()}
             g["jobs"] += 1
             u = mma_utilization(job.kernel, job.kwargs)
             if u is not None:
                 g["util"][job.shape] = min(g["util"].get(job.shape, 1.0), round(u, 3))
                 if job.role in ("default", ""):
                     g["default_shapes"].add(job.shape)
+                m = memory_ratio(job.kernel, job.kwargs, element_bytes(job.fn, job.args), f"sm_{arch}")
+                if m is not None:
+                    g["mem"][job.shape] = max(g["mem"].get(job.shape, 0.0), round(m, 3))
             if job.role:
                 g["roles"].add(job.role)
             if job.shape and job.shape not in g["shapes"]:
@@ -298,7 +310,8 @@ def triton_entries(jobs: Sequence[StaticJob], archs: Sequence[int], processes: i
                         "signature": g["signature"],
                         "constexprs": g["constexprs"], "key": key[:16],
                         **({"mma_util": g["util"], "default_shapes": sorted(g["default_shapes"])}
-                           if g["util"] else {})})
+                           if g["util"] else {}),
+                        **({"mem_ratio": g["mem"]} if g["mem"] else {})})
     return entries, {"launches": sum(g["jobs"] for g in groups.values()), "compilations": len(groups),
                      "compiled": len(todo), "cached": len(groups) - len(todo)}
 

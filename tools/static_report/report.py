@@ -23,6 +23,8 @@ kernel and config (units in brackets; sources: ``cuobjdump -res-usage``, SASS fr
                   wgmma waits, barriers, divisions, loads by kind): :func:`tools.static_report.sass.loop_stats`
     mma_util      convolutions: per layer, the fraction of the main loop's MMA work on real channels
                   (not a tile's padding): :mod:`tools.static_report.utilization`
+    mem_ratio     convolutions: per layer, the compulsory memory time over the real MMA work's tensor
+                  time at the arch's published peaks (:func:`tools.static_report.utilization.memory_ratio`)
 
 A *job provider* maps ``(units: list[UnitShape], dtypes: list[torch.dtype])`` to StaticJobs. The
 report uses :func:`tools.static_report.jobs.chain_jobs` (the launches the fused chains record
@@ -30,7 +32,8 @@ on the meta device), or ``--provider module:function``; compiling and caching: :
 
 Output: ``<out>/static-<triton version>-<date>.json`` (top level: ``triton``, ``date``, ``command``,
 ``commit``, ``archs``, ``provider``, counts, ``elapsed_s``, ``loop_figures``, ``useful_bounds``
-(:func:`tools.static_report.utilization.useful_figures`), ``entries``; each entry:
+(:func:`tools.static_report.utilization.useful_figures`), ``roofline_bounds``
+(:func:`tools.static_report.utilization.roofline_figures`), ``entries``; each entry:
 ``kind`` (``triton``/``csrc``/``anchor``), ``kernel``, ``config``, ``variant``, ``dtype``, ``arch``, the
 metrics above, ``conv``, ``shapes`` (layers that launch it), ``roles``, ``signature``/``constexprs``
 (the specialization)) and a table on stdout. ``--check`` exits 1 listing every entry that spills
@@ -72,7 +75,7 @@ from tools.static_report.loop_limits import (
     write_baseline,
 )
 from tools.static_report.sass import WIDTHS
-from tools.static_report.utilization import useful_figures
+from tools.static_report.utilization import roofline_figures, useful_figures
 
 __all__ = ["default_provider", "format_table", "main", "ARCHS"]
 
@@ -270,12 +273,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     obj = {"triton": triton.__version__, "date": date.today().isoformat(),
            "command": "python -m tools.static_report " + shlex.join(argv), "commit": _commit(),
            "archs": [f"sm_{x}" for x in a.arch], "provider": provider_name, **counts, "elapsed_s": elapsed,
-           "loop_figures": figures, "useful_bounds": useful, "entries": entries}
+           "loop_figures": figures, "useful_bounds": useful, "roofline_bounds": roofline_figures(entries),
+           "entries": entries}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"static-{triton.__version__}-{obj['date']}.json"
     path.write_text(_dumps(obj))
     print(format_table(entries, a.full_table))
+    above = [(k, v) for k, v in obj["roofline_bounds"].items() if v["excess"] > 1.0]
+    if above:
+        print(f"\nroofline: {len(above)} variants whose default loop keeps them above their roofline (excess = "
+              "max(useful bound, memory ratio) / max(1, memory ratio); static bounds):\n  "
+              + "\n  ".join(f"{k}: {v['excess']} at {v['layer']} (useful bound {v['useful_bound']}, memory ratio "
+                             f"{v['memory_ratio']})" for k, v in above[:12])
+              + (f"\n  … {len(above) - 12} more in the JSON" if len(above) > 12 else ""))
     print(f"\n{len(entries)} entries in {elapsed} s → {path}")
     baseline_path = Path(a.loop_baseline)
     if a.update_loop_baseline:

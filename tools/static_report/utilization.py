@@ -12,6 +12,15 @@ tensor clocks when the ratio is above 1). Informational: ``--check`` does not re
 Counted per launch from its tile (``BLOCK_*``, dgrad's ``SLOTS``) and its layer (``C``, ``K``,
 ``GROUPS``, ``S``, strides), along the MMA's channel dimensions; the pixel dimension (the last tile of
 rows, a 3×3 wgrad's border rows whose tap falls into the padding) is taken as full.
+
+The *roofline excess* sets the useful bound against the memory traffic the launch cannot avoid:
+``memory ratio`` m = (compulsory bytes / memory bandwidth) / (real MACs / tensor-core MAC rate), the
+launch's memory time in units of its tensor time at the published peaks of :data:`PEAKS`; its roofline
+time is ``max(1, m)`` of them, and ``max(useful bound, m) / max(1, m)`` is how far the SASS alone keeps
+it above that (1: the loop's issue rate costs nothing over the roofline; both are lower bounds on
+time, neither a measurement). Compulsory bytes: each activation tensor of the launch read or written
+once (fprop: x, y and a residual; dgrad: dy, x — its ReLU mask — and the gradient it writes; wgrad:
+x and dy), weights and per-channel vectors left out. Informational, as the useful bound.
 """
 
 from __future__ import annotations
@@ -21,7 +30,15 @@ from typing import Mapping, Optional, Sequence
 
 from tools.static_report.loop_limits import variant_key
 
-__all__ = ["mma_utilization", "useful_bound", "useful_figures"]
+__all__ = ["mma_utilization", "useful_bound", "useful_figures", "PEAKS", "memory_ratio", "roofline_figures"]
+
+#: Published dense peaks per arch: (16-bit tensor-core MAC/s, TF32 MAC/s, memory bytes/s). sm_90: H100
+#: SXM5 (989.4 bf16/fp16 TFLOP/s, 494.7 TF32, HBM3 3.35 TB/s); sm_80: A100 SXM4 80 GB (312, 156,
+#: HBM2e 2.039 TB/s); NVIDIA's H100 and A100 datasheets. A MAC is two FLOPs.
+PEAKS: dict[str, tuple[float, float, float]] = {
+    "sm_90": (989.4e12 / 2, 494.7e12 / 2, 3.35e12),
+    "sm_80": (312e12 / 2, 156e12 / 2, 2.039e12),
+}
 
 
 def _fill(n: int, block: int) -> float:
@@ -66,6 +83,41 @@ def mma_utilization(kernel: str, kw: Mapping) -> Optional[float]:
     return _fill(Cg, bn) * _fill(Kg, bm)
 
 
+def memory_ratio(kernel: str, kw: Mapping, nbytes: Mapping[str, int], arch: str) -> Optional[float]:
+    """A launch's compulsory memory time over its real MMA work's tensor time at ``arch``'s
+    :data:`PEAKS` (module docstring); None for other kernels, a fused projection (fprop/dgrad
+    ``HAS_PROJ``: its second GEMM is not counted here), an fp32 MMA without TF32, or an unknown arch.
+
+    Args:
+        kernel, kw: as :func:`mma_utilization` (``H``, ``W``, ``C``, ``P``, ``Q``, ``K``, ``R``, ``S``,
+            ``GROUPS``, ``DOT_DTYPE``, ``INPUT_PRECISION``, ``HAS_RES``, ``HAS_PROJ``).
+        nbytes: element size in bytes of the launch's tensor arguments by parameter name (``x_ptr``,
+            ``y_ptr``, ``dy_ptr``, ``out_ptr``, ``res_ptr``).
+        arch: ``sm_90`` or ``sm_80``.
+    """
+    if kernel not in ("fprop", "dgrad", "wgrad", "wgrad_proj") or arch not in PEAKS or "H" not in kw or "P" not in kw:
+        return None
+    if kw.get("HAS_PROJ"):
+        return None
+    dot = str(kw.get("DOT_DTYPE", ""))
+    sixteen = dot.endswith(("bfloat16", "float16")) or dot in ("bf16", "fp16")
+    if not sixteen and str(kw.get("INPUT_PRECISION", "ieee")) == "ieee":
+        return None
+    mac16, mac32, bw = PEAKS[arch]
+    H, W, C, P, Q, K = (int(kw[k]) for k in ("H", "W", "C", "P", "Q", "K"))
+    macs = P * Q * K * C // int(kw.get("GROUPS", 1)) * int(kw.get("R", 1)) * int(kw.get("S", 1))
+    x_in, y_out = H * W * C, P * Q * K
+    if kernel == "fprop":
+        traffic = x_in * nbytes["x_ptr"] + y_out * nbytes["y_ptr"]
+        if kw.get("HAS_RES"):
+            traffic += y_out * nbytes.get("res_ptr", nbytes["y_ptr"])
+    elif kernel == "dgrad":
+        traffic = y_out * nbytes["dy_ptr"] + x_in * (nbytes["x_ptr"] + nbytes["out_ptr"])
+    else:
+        traffic = y_out * nbytes["dy_ptr"] + x_in * nbytes["x_ptr"]
+    return (traffic / bw) / (macs / (mac16 if sixteen else mac32))
+
+
 def useful_bound(issue_ratio: Optional[float], utilization: Optional[float]) -> Optional[float]:
     """``max(issue_ratio, 1) / utilization`` (module docstring); None where either is unknown."""
     if issue_ratio is None or not utilization:
@@ -94,3 +146,26 @@ def useful_figures(entries: Sequence[dict]) -> dict[str, dict]:
                 worst[key] = {"default": round(b, 3), "layer": shape, "utilization": u,
                               "issue_ratio": lp["issue_ratio"]}
     return dict(sorted(worst.items(), key=lambda kv: -kv[1]["default"]))
+
+
+def roofline_figures(entries: Sequence[dict]) -> dict[str, dict]:
+    """Per launch variant, the worst roofline excess ``max(b, m) / max(1, m)`` (module docstring) of
+    its default configs over the layers where they are the default (b the useful bound, m the entry's
+    ``mem_ratio`` at the layer), as ``{"excess": x, "layer": shape, "useful_bound": b, "memory_ratio":
+    m}``, sorted worst first; variants without a memory ratio are left out."""
+    worst: dict[str, dict] = {}
+    for e in entries:
+        lp, util, mem = e.get("loop"), e.get("mma_util"), e.get("mem_ratio")
+        if "error" in e or not lp or not util or not mem:
+            continue
+        defaults = e.get("default_shapes", list(util))
+        for shape, u in util.items():
+            b, m = useful_bound(lp["issue_ratio"], u), mem.get(shape)
+            if shape not in defaults or b is None or m is None:
+                continue
+            x = max(b, m) / max(1.0, m)
+            key = variant_key(e)
+            if key not in worst or x > worst[key]["excess"]:
+                worst[key] = {"excess": round(x, 3), "layer": shape, "useful_bound": round(b, 3),
+                              "memory_ratio": round(m, 3)}
+    return dict(sorted(worst.items(), key=lambda kv: -kv[1]["excess"]))
