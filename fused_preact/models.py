@@ -27,6 +27,7 @@ from fused_preact.modules import (
     FusedPreActBottleneck,
     build_basic_layers,
     build_bottleneck_layers,
+    plain_call,
     run_blocks,
 )
 
@@ -150,10 +151,10 @@ class PreActResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
         # All stages as one chain of blocks: each fused block's last conv computes the next block's
-        # bn1 statistics in its epilogue (fused_preact.modules.run_blocks). Stages with hooks run as
-        # plain Sequentials.
+        # bn1 statistics in its epilogue (fused_preact.modules.run_blocks). Stages that are not plain
+        # Sequentials called plainly (hooks of any kind, a forward of their own) are called as such.
         stages = [getattr(self, f"layer{i + 1}") for i in range(self.num_stages)]
-        if any(s._forward_hooks or s._forward_pre_hooks for s in stages):
+        if not all(type(s) is nn.Sequential and plain_call(s) for s in stages):
             for stage in stages:
                 x = stage(x)
         else:

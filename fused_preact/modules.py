@@ -43,7 +43,7 @@ from fused_preact.ops.spec import check_running_buffers, functorch_reasons, proj
 from fused_preact.ops.sync_stats import sync_bn_statistics, sync_enabled
 
 __all__ = ["FusedBNReLUConv2d", "FusedPreActBlock", "FusedPreActBottleneck", "FusedModuleBase", "bottleneck_width",
-           "convert_sync_batchnorm", "run_units", "run_blocks", "bn_mode", "init_fused_state", "describe_backend",
+           "convert_sync_batchnorm", "run_units", "run_blocks", "plain_call", "bn_mode", "init_fused_state", "describe_backend",
            "backend_path", "record_eager"]
 
 logger = logging.getLogger("fused_preact")
@@ -131,8 +131,14 @@ def _type_reasons(units: list, proj: Optional[nn.Module] = None) -> list[str]:
     """Children whose own forward the fused path would bypass: a BatchNorm that is not exactly
     ``nn.BatchNorm2d``/``nn.SyncBatchNorm`` (or a BatchNorm2d carrying ReLU ``act`` and Identity ``drop``,
     timm's BatchNormAct2d), a conv or projection that is not exactly ``nn.Conv2d``; e.g. a frozen-BN
-    subclass, a GroupNorm, an adapter around a conv or an ``nn.Identity`` swapped in after ``convert()``."""
+    subclass, a GroupNorm, an adapter around a conv or an ``nn.Identity`` swapped in after ``convert()``;
+    and any of them (or a BatchNormAct2d's ``act``/``drop``) whose ``forward`` was set on the instance
+    (accelerate's offload hooks, a monkeypatch)."""
     reasons = []
+    mods = [m for bn, conv in units for m in (bn, *_norm_act(bn), conv)] + ([proj] if proj is not None else [])
+    for m in mods:
+        if "forward" in vars(m):
+            reasons.append(f"{type(m).__name__} has a forward set on the instance (it runs)")
     if proj is not None and not _exactly(proj, nn.Conv2d):
         reasons.append(f"{type(proj).__name__} shortcut is not exactly nn.Conv2d (its own forward runs)")
     for bn, conv in units:
@@ -337,24 +343,34 @@ def _record(owner: nn.Module, name: str, reason: Optional[str], x: torch.Tensor,
                 logger.info(msg)
 
 
+def plain_call(m: nn.Module) -> bool:
+    """Whether ``m(x)`` is exactly ``type(m).forward(m, x)``: no hooks of its own (forward, forward
+    pre, backward, backward pre) or global ones, no ``forward`` set on the instance, no ``__call__`` of
+    its class's own, not compiled in place (``Module.compile``). A caller may then run the forward's
+    body itself."""
+    mm = nn.modules.module
+    return not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                or mm._global_forward_hooks or mm._global_forward_pre_hooks or mm._global_backward_hooks
+                or mm._global_backward_pre_hooks or "forward" in vars(m)
+                or getattr(m, "_compiled_call_impl", None) is not None or type(m).__call__ is not nn.Module.__call__)
+
+
 def run_blocks(blocks: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
     """Run consecutive residual blocks, handing each fused block's output statistics to the next.
 
     When a fused block is followed by another fused block whose bn1 normalizes with batch
     statistics, the last conv's epilogue of the first computes them (together with the residual
-    add), so the second runs no statistics pass over its input. Blocks that are not fused, or that
-    carry forward hooks (which must see a plain ``block(x)`` call), are called normally and break
-    the chain. Same result as ``for b in blocks: x = b(x)``.
+    add), so the second runs no statistics pass over its input. Blocks that are not fused, whose
+    class overrides ``forward``, or whose call is not plain (:func:`plain_call`: hooks of any kind,
+    a ``forward`` set on the instance) are called normally and break the chain. Same result as
+    ``for b in blocks: x = b(x)``.
 
     Args:
         blocks: modules mapping (N, C, H, W) → (N, C', H', W'), e.g. a stage's ``nn.Sequential``.
         x: the first block's input.
     """
-    hooked = bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
-    chained = [
-        isinstance(b, (FusedPreActBlock, FusedPreActBottleneck)) and not (hooked or b._forward_hooks or b._forward_pre_hooks)
-        for b in blocks
-    ]
+    chained = [isinstance(b, (FusedPreActBlock, FusedPreActBottleneck)) and type(b).forward is FusedPreActBlock.forward
+               and plain_call(b) for b in blocks]
     stats = None
     for i, blk in enumerate(blocks):
         if not chained[i]:

@@ -151,3 +151,94 @@ def test_chained_statistics_at_few_values_per_channel(count, backend):
     for (what, f), (_, e), (_, r) in zip(*runs):
         fe, ee = _rel(f, r), _rel(e, r)
         assert fe <= 2 * ee + 1e-4, f"{what}: fused error {fe:.2e} > 2 × eager fp32 error {ee:.2e} + 1e-4"
+
+
+class _HalfFused(FusedPreActBlock):
+    """A subclass with a forward of its own: half the residual branch (as a residual scale does)."""
+
+    def forward(self, x):
+        return x + 0.5 * (super().forward(x) - x)
+
+
+class _HalfEager(PreActBlock):
+    def forward(self, x):
+        return x + 0.5 * (super().forward(x) - x)
+
+
+def _edit_subclass(model, fused):
+    old = model.layer2[1]
+    new = (_HalfFused if fused else _HalfEager)(32, 32, 1).to(old.bn1.weight)
+    new.load_state_dict(old.state_dict())
+    model.layer2[1] = new
+
+
+def _edit_instance_forward(model, fused):
+    blk = model.layer3[1]
+    plain = blk.forward
+    blk.forward = lambda x: 0.5 * (plain(x) + x)  # x + 0.5·(branch + shortcut − x)
+
+
+def _edit_child_forward(model, fused):  # accelerate-style: a child's forward wrapped on the instance
+    conv = model.layer2[0].conv2
+    plain = conv.forward
+    conv.forward = lambda a: plain(a) * 0.5
+
+
+def _edit_block_backward_pre_hook(model, fused):
+    model.layer2[0].register_full_backward_pre_hook(lambda mod, go: tuple(g * 0.5 for g in go))
+
+
+def _edit_stage_backward_hook(model, fused):
+    model.layer2.register_full_backward_hook(lambda mod, gi, go: tuple(g * 0.5 for g in gi))
+
+
+def _stagewise(model, x):
+    """``PreActResNet.forward`` with every stage called as a module: the reference."""
+    x = model.stem(x)
+    for i in range(model.num_stages):
+        x = getattr(model, f"layer{i + 1}")(x)
+    x = F.relu(model.bn(x))
+    return model.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+@pytest.mark.parametrize("edit", [_edit_subclass, _edit_instance_forward, _edit_child_forward,
+                                  _edit_block_backward_pre_hook, _edit_stage_backward_hook],
+                         ids=["subclass-forward", "instance-forward", "child-instance-forward",
+                              "block-backward-pre-hook", "stage-backward-hook"])
+def test_model_honours_what_its_blocks_calls_would_run(edit):
+    """``PreActResNet.forward`` chains its fused blocks without calling them (statistics handed from
+    block to block); a block or stage whose call is not its plain forward — a subclass's forward, one
+    set on the instance (also on a child conv), backward hooks on a block or a stage — is called, so
+    the model computes what calling its stages and blocks computes (float64 eager, stage by stage).
+    They were skipped: outputs off by O(1), gradients below a gradient-scaling hook off by 2×."""
+    torch.manual_seed(0)
+    fused = preact_resnet_cifar(14, fused=True).to(DEVICE)  # two blocks per stage
+    eager = preact_resnet_cifar(14, fused=False).double()
+    eager.load_state_dict(fused.state_dict())
+    edit(fused, True)
+    edit(eager, False)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    y_f, y_e = fused(x.float().to(DEVICE)), _stagewise(eager, x)
+    assert_close(y_f, y_e, torch.float32, "output")
+    y_f.square().sum().backward()
+    y_e.square().sum().backward()
+    for (name, p), p_ref in zip(fused.named_parameters(), eager.parameters()):
+        assert_close(p.grad, p_ref.grad, torch.float32, f"grad {name}")
+
+
+def test_global_backward_hooks_see_every_block():
+    """A global module backward hook fires for every block of a fused model, as for its eager twin."""
+    import torch.nn as nn
+
+    seen = {}
+    for fused in (True, False):
+        model = preact_resnet_cifar(8, fused=fused).to(DEVICE if fused else "cpu")
+        calls = []
+        handle = nn.modules.module.register_module_full_backward_hook(
+            lambda mod, gi, go: calls.append(type(mod).__name__))
+        try:
+            model(torch.randn(2, 3, 8, 8, device=DEVICE if fused else "cpu")).sum().backward()
+        finally:
+            handle.remove()
+        seen[fused] = sum(c in ("FusedPreActBlock", "PreActBlock") for c in calls)
+    assert seen[True] == seen[False] == 3
