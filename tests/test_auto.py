@@ -273,12 +273,24 @@ def test_one_allowed_candidate_is_validated_and_runs(monkeypatch):
 
 
 def test_allowed_candidates_failing_validation_leave_the_unfused_path(monkeypatch):
+    """The verdict is kept like any decision: another module of the signature, one under capture and
+    one in a second look-up from the disk cache run the unfused path too, nothing measured again (the
+    rejected backend ran under capture and was measured and warned about per module)."""
     monkeypatch.setitem(BACKENDS, "wrong", WrongBackend)
-    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", "wrong")
+    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", "Wrong")  # names are case-insensitive
     m = _block()
     with auto.measuring(devices=(DEVICE,), timer=Timer()), pytest.warns(RuntimeWarning, match="'wrong'"):
         m(_x())
     assert m.last_backend == "reference" and "leaves no other" in m.fallback_reason
+    for capturing, forget in ((False, False), (True, False), (True, True)):
+        if forget:
+            auto.forget()
+        monkeypatch.setattr(auto, "_capturing", lambda device, c=capturing: c)
+        m = _block()
+        with auto.measuring(devices=(DEVICE,), timer=_forbidden), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            m(_x())
+        assert m.last_backend == "reference" and "leaves no other" in m.fallback_reason, (capturing, forget)
 
 
 def test_decisions_are_kept_per_allowed_set(monkeypatch):
@@ -338,6 +350,18 @@ def test_the_restriction_holds_where_nothing_is_measured(monkeypatch):
     with auto.measuring(devices=(DEVICE,), timer=_forbidden):
         m(_x().double())
     assert m.last_backend == "reference" and "no allowed backend" in m.fallback_reason
+    if not BACKENDS["cuda"].not_supported_reasons(_x(), None, torch.float32):
+        return
+    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", "cuda")  # refuses here: the unfused path, not triton
+    m = _block()
+    with auto.measuring(devices=(DEVICE,), timer=_forbidden):
+        m(_x())
+    assert m.last_backend == "reference" and "no allowed backend" in m.fallback_reason
+    monkeypatch.setenv("FUSED_PREACT_DISPATCH", "priority")
+    m = _block(memory="lean", backend="auto")
+    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", "reference")
+    m(_x())
+    assert m.last_backend == "reference" and "memory='lean'" in m.fallback_reason
 
 
 # ---------------------------------------------------------------------------- capture and compile

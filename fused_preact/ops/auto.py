@@ -320,7 +320,7 @@ def _allowed() -> Optional[frozenset]:
     Raises:
         ValueError: a name that is not a backend of :data:`~fused_preact.ops.backends.BACKENDS`.
     """
-    names = frozenset(n.strip() for n in os.environ.get(ENV_CANDIDATES, "").split(",") if n.strip())
+    names = frozenset(n.strip().lower() for n in os.environ.get(ENV_CANDIDATES, "").split(",") if n.strip())
     unknown = sorted(names - set(BACKENDS))
     if unknown:
         raise ValueError(f"fused_preact: {ENV_CANDIDATES} names unknown backends {unknown}; expected names of "
@@ -331,7 +331,8 @@ def _allowed() -> Optional[frozenset]:
 def _restrict(static: BackendChoice, allowed: Optional[frozenset], memory: str, x: torch.Tensor, spec: ChainSpec,
               cd: torch.dtype) -> BackendChoice:
     """The static choice among the ``allowed`` backends: the first of the static order (then the other
-    backends) that is allowed and serves the input; the unrestricted one, saying so, where none does."""
+    backends) that is allowed and serves the input; the unfused reference path, saying so, where none
+    does (as where the allowed ones fail validation)."""
     if allowed is None or static.name in allowed:
         return static
     skipped: list[str] = []
@@ -339,10 +340,13 @@ def _restrict(static: BackendChoice, allowed: Optional[frozenset], memory: str, 
         if name in allowed:
             reasons = BACKENDS[name].not_supported_reasons(x, spec, cd)
             if not reasons:
-                return BackendChoice(BACKENDS[name], tuple(skipped))
+                lean = () if memory != "lean" or BACKENDS[name].fused else (
+                    "memory='lean': no allowed lean backend can serve this input",)
+                return BackendChoice(BACKENDS[name], tuple(skipped) + lean)
             skipped.append(f"{name}: " + "; ".join(reasons))
-    return BackendChoice(static.backend, static.skipped + (
-        f"{ENV_CANDIDATES}: no allowed backend can serve this input ({'; '.join(skipped)}); static priority",))
+    return BackendChoice(ReferenceBackend, static.skipped + (
+        f"{ENV_CANDIDATES}: no allowed backend can serve this input ({'; '.join(skipped)}); the unfused eager "
+        "path runs",))
 
 
 def _candidates(x: torch.Tensor, spec: ChainSpec, cd: torch.dtype, allowed: Optional[frozenset]) -> list[Candidate]:
@@ -386,7 +390,10 @@ def _pick(cands: list[Candidate], memory: str) -> tuple[Optional[str], Optional[
 
 
 def _choice(d: Decision, skipped: tuple = ()) -> BackendChoice:
-    return BackendChoice(BACKENDS[d.winner], tuple(skipped), d)
+    """The decision's backend; a winner that was not among its candidates (the unfused path taken
+    because every allowed candidate failed validation) carries the decision's note as its reason."""
+    fallback = d.note is not None and all(c.name != d.winner for c in d.candidates)
+    return BackendChoice(BACKENDS[d.winner], tuple(skipped) + ((d.note,) if fallback else ()), d)
 
 
 def _held(key, sig: str, x: torch.Tensor, eligible: set, disk: bool) -> Optional[Decision]:
@@ -402,7 +409,8 @@ def _held(key, sig: str, x: torch.Tensor, eligible: set, disk: bool) -> Optional
                 d = dataclasses.replace(Decision.from_json(hit), source="disk cache")
             except (TypeError, ValueError, KeyError) as e:
                 logger.warning("fused_preact: ignoring an unreadable dispatch decision (%s)", e)
-    return d if d is not None and d.winner in eligible and d.winner_passed() else None
+    runs = eligible | {"reference"}  # the unfused path: what a restriction whose backends all failed runs
+    return d if d is not None and d.winner in runs and d.winner_passed() else None
 
 
 def _measure(static: BackendChoice, spec, x, t, modes, cd, out_stats, memory, sig, timed, cands):
@@ -424,9 +432,9 @@ def _measure(static: BackendChoice, spec, x, t, modes, cd, out_stats, memory, si
             warnings.warn(f"fused_preact: backend {c.name!r} failed validation against float64 and is excluded from "
                           f"backend='auto' for this signature: {c.error}", RuntimeWarning, stacklevel=2)
     winner, note = _pick(cands, memory)
-    if winner is None and not any(c.name == "reference" for c in runnable):  # the allowed ones failed
-        return Decision(sig, "reference", "static", memory, timed, cands,
-                        f"{note} ({ENV_CANDIDATES} leaves no other): the unfused eager path runs"), None, False
+    if winner is None and not any(c.name == "reference" for c in runnable):  # the allowed ones failed: kept,
+        return Decision(sig, "reference", "measured", memory, timed, cands,  # as any verdict of validation
+                        f"{note} ({ENV_CANDIDATES} leaves no other): the unfused eager path runs"), None, True
     if winner is None:  # eager itself failed: nothing can be trusted, run the static choice and say so
         return Decision(sig, static.name, "static", memory, timed, cands, note), None, False
     return Decision(sig, winner, "measured", memory, timed, cands, note), trials.plans.get(winner), True
@@ -495,8 +503,7 @@ def decide(static: BackendChoice, key, spec: ChainSpec, x: torch.Tensor, t: Chai
         _BY_SIG[f"{_fingerprint(x.device)}|{sig}"] = d
         logger.info("fused_preact: auto for %s: %s", sig, d.summary())
         return _choice(d), plan
-    backend = ReferenceBackend if d.winner == "reference" else static.backend
-    return BackendChoice(backend, static.skipped + (d.note,), d), None
+    return BackendChoice(static.backend, static.skipped + (d.note,), d), None
 
 
 def traceable(choice: BackendChoice, spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BNMode, ...],
