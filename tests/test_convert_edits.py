@@ -310,24 +310,47 @@ def test_converted_block_runs_its_original_forward_after_its_attributes_change(a
 
 
 class InPlaceScheduledBlock(CifarPreActBlock):
-    """A residual scale its forward reads from a dict, a list and a plain tensor (a schedule changes
-    them in place)."""
+    """A residual scale its forward reads from a dict, a list, a plain tensor, a list of tensors and a
+    list inside a tuple (a schedule changes them in place); attributes it does not read: NaN in a
+    set, a dict key and a tensor, a large tensor, an inference tensor."""
 
     def __init__(self, planes):
         super().__init__(planes, planes)
-        self.cfg, self.scales, self.res_t, self.tags = {"res_scale": 1.0}, [1.0, float("nan")], torch.ones(1), {"a"}
+        self.cfg, self.scales, self.res_t = {"res_scale": 1.0}, [1.0, float("nan")], torch.ones(1)
+        self.ts, self.pair = [torch.ones(1), torch.ones(2)], ("scale", [1.0])
+        self.tags, self.by_key = {"a", float("nan")}, {float("nan"): 1, 2: [3.0]}
+        self.nan_t, self.big = torch.tensor([float("nan"), 1.0]), torch.zeros(70000)
+        with torch.inference_mode():
+            self.frozen = torch.ones(2)
 
     def forward(self, x):
-        scale = self.cfg["res_scale"] * self.scales[0] * self.res_t
+        scale = self.cfg["res_scale"] * self.scales[0] * self.res_t * self.ts[0] * self.pair[1][0]
         return x + scale * self.conv2(F.relu(self.bn2(self.conv1(F.relu(self.bn1(x))))))
 
 
-@pytest.mark.parametrize("attr", ["cfg", "scales", "res_t"])
+def _change(block, attr):
+    if attr == "cfg":
+        block.cfg["res_scale"] = 0.2
+    elif attr == "scales":
+        block.scales[0] = 0.2
+    elif attr == "res_t":
+        block.res_t.mul_(0.2)
+    elif attr == "ts":
+        block.ts[0].mul_(0.2)
+    elif attr == "ts-replaced":
+        block.ts[0] = torch.full((1,), 0.2)  # a new tensor at the version the old one had
+    else:
+        block.pair[1][0] = 0.2
+
+
+@pytest.mark.parametrize("attr", ["cfg", "scales", "res_t", "ts", "ts-replaced", "pair"])
 def test_converted_block_sees_attributes_changed_in_place(attr):
     """An attribute the original forward reads changed in place after ``convert()`` — a dict entry, a
-    list element, a plain tensor's value — runs the original forward with the reason recorded (the
-    fused reading ignored it: output off by O(1), silently); unchanged ones, also after a deepcopy
-    and a torch.save/load round trip (a NaN in a list, a tensor at another version), stay fused."""
+    list element, a plain tensor's value, a tensor in a list (changed or replaced), a list in a tuple
+    — runs the original forward with the reason recorded (the fused reading ignored it: output off by
+    O(1), silently); unchanged ones, also after a deepcopy and a torch.save/load round trip (NaN in a
+    list, a set, a dict key and a tensor; tensors at other versions; a large tensor and an inference
+    tensor, which are not watched), stay fused."""
     import io
 
     torch.manual_seed(0)
@@ -343,14 +366,10 @@ def test_converted_block_sees_attributes_changed_in_place(attr):
         assert_close(m(x), eager(x), torch.float32, "unchanged")
         assert m[0].last_backend != "reference", m[0].fallback_reason
     for m in (model, eager):
-        if attr == "cfg":
-            m[0].cfg["res_scale"] = 0.2
-        elif attr == "scales":
-            m[0].scales[0] = 0.2
-        else:
-            m[0].res_t.mul_(0.2)
+        _change(m[0], attr)
     assert_close(model(x), eager(x), torch.float32, attr)
-    assert model[0].last_backend == "reference" and f"attributes changed since convert() ({attr})" in \
+    name = attr.split("-")[0]
+    assert model[0].last_backend == "reference" and f"attributes changed since convert() ({name})" in \
         model[0].fallback_reason
 
 

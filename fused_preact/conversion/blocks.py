@@ -3,7 +3,6 @@ residual block running its BN → ReLU → Conv steps as one fused chain) and :c
 
 from __future__ import annotations
 
-import copy
 from typing import Optional
 
 import torch
@@ -53,11 +52,12 @@ class ConvertedPreActBlock(FusedModuleBase):
     fused backend raises): a shortcut turned into a projection, a norm without its ReLU, are then
     computed as the original block computes them. The same when one of the original block's own
     public attributes (copied onto this block, e.g. a residual scale or a dropout rate its forward
-    reads) is assigned another value or changed in place (``_changed_attributes``: a list, dict or set
-    of plain values is compared with a copy taken at conversion, a plain tensor by its version counter
-    — not under torch.compile tracing, which cannot read it; another mutable object changed in place is
-    not seen). Replacing a child by one of the same type, a hook, or a changed attribute of a child is
-    read by the fused path on every call, as before.
+    reads) is assigned another value or changed in place (``_changed_attributes``: lists, dicts,
+    sets and tuples of plain values and small tensors, nested, up to 256 leaves, are compared with a
+    record taken at conversion, a tensor by its version counter and then its value — not under
+    torch.compile tracing, which cannot read it; another mutable object, or a larger one, changed in
+    place is not seen). Replacing a child by one of the same type, a hook, or a changed attribute of
+    a child is read by the fused path on every call, as before.
 
     Attributes:
         backend: requested backend (``"auto"``, ``"triton"``, ``"reference"``).
@@ -196,54 +196,102 @@ def _same(a: object, b: object) -> bool:
     return a is b
 
 
-def _plain_value(v: object) -> bool:
-    """A scalar, or a list, tuple, dict, set or frozenset of plain values (dict keys: scalars)."""
-    if isinstance(v, _SCALARS):
+#: The most leaves (scalars, tensors) of an attribute watched for changes in place, and the most
+#: elements of a watched tensor: larger ones are not watched (the per-call comparison stays cheap).
+_WATCH_LEAVES = 256
+_WATCH_ELEMENTS = 1 << 16
+_NAN = ("nan",)  # a NaN set element or dict key, made comparable (pickling makes another float object)
+
+
+class _Unwatchable(Exception):
+    pass
+
+
+class _TensorSnap:
+    """A watched tensor: the object, its version and a copy of its value (renewed when a copy of the
+    block — torch.save/load — holds an equal tensor at another version)."""
+
+    __slots__ = ("obj", "version", "value")
+
+    def __init__(self, t: torch.Tensor):
+        self.obj, self.version, self.value = t, t._version, t.detach().clone()
+
+
+def _canon(k: object) -> object:
+    return _NAN if isinstance(k, float) and k != k else k
+
+
+def _snapshot(v: object) -> Optional[tuple]:
+    """A record of what an attribute value holds that can change in place — a list, dict, set or
+    tuple of plain values and small tensors, nested, or such a tensor itself — for
+    :func:`_changed_in_place`; None for anything else (immutable, or not watched: other objects, an
+    inference tensor, which has no version counter, more than ``_WATCH_LEAVES`` leaves or a tensor of
+    more than ``_WATCH_ELEMENTS`` elements)."""
+    budget = [_WATCH_LEAVES]
+
+    def snap(e):
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise _Unwatchable
+        if isinstance(e, _SCALARS):
+            return ("scalar", e)
+        if isinstance(e, torch.Tensor):
+            if e.is_inference() or e.numel() > _WATCH_ELEMENTS or e.device.type == "meta":
+                raise _Unwatchable
+            return ("tensor", _TensorSnap(e))
+        if isinstance(e, (list, tuple)):
+            return (type(e), [snap(x) for x in e])
+        if isinstance(e, dict) and all(isinstance(k, _SCALARS) for k in e):
+            return (type(e), [(_canon(k), snap(x)) for k, x in e.items()])
+        if isinstance(e, (set, frozenset)) and all(isinstance(k, _SCALARS) for k in e):
+            return (type(e), frozenset(_canon(k) for k in e))
+        raise _Unwatchable
+
+    mutable = (torch.Tensor, list, dict, set)
+    if not isinstance(v, (*mutable, tuple)) or (isinstance(v, tuple) and _immutable(v)):
+        return None
+    try:
+        return snap(v)
+    except _Unwatchable:
+        return None
+
+
+def _immutable(v: object) -> bool:
+    return isinstance(v, (*_SCALARS, frozenset)) or (isinstance(v, tuple) and all(_immutable(e) for e in v))
+
+
+def _changed_in_place(v: object, snap: tuple) -> bool:
+    """Whether ``v`` no longer holds what :func:`_snapshot` recorded: scalars by value (NaN equal to
+    NaN), containers element by element, a tensor by identity and version and, when either moved, by
+    value (an equal one renews the record). Tensors are not read under torch.compile tracing, which
+    cannot read a version counter."""
+    kind, rec = snap
+    if kind == "scalar":
+        return not (type(v) is type(rec) and (v == rec or (isinstance(v, float) and v != v and rec != rec)))
+    if kind == "tensor":
+        return not isinstance(v, torch.Tensor) or _tensor_moved(v, rec)
+    if type(v) is not kind:
         return True
-    if isinstance(v, (list, tuple, set, frozenset)):
-        return all(_plain_value(e) for e in v)
+    if kind in (set, frozenset):
+        return frozenset(_canon(k) for k in v) != rec
     if isinstance(v, dict):
-        return all(isinstance(k, _SCALARS) and _plain_value(e) for k, e in v.items())
-    return False
+        cur = {_canon(k): x for k, x in v.items()}
+        return len(cur) != len(rec) or any(k not in cur or _changed_in_place(cur[k], r) for k, r in rec)
+    return len(v) != len(rec) or any(_changed_in_place(x, r) for x, r in zip(v, rec))
 
 
-def _snapshot(v: object) -> Optional[list]:
-    """What tells an attribute value changed in place: for a plain tensor ``[version, copy]`` (its
-    version counter, bumped by every in-place op, and its value; no copy above 65,536 elements), for
-    a list, dict or set of plain values a deep copy; None for anything else (immutable, or not
-    comparable)."""
-    if isinstance(v, torch.Tensor):
-        return [v._version, v.detach().clone() if v.numel() <= 1 << 16 else None]
-    if isinstance(v, (list, dict, set)) and _plain_value(v):
-        return [copy.deepcopy(v)]
-    return None
-
-
-def _changed_in_place(v: object, snap: list) -> bool:
-    """Whether ``v`` no longer holds what :func:`_snapshot` took. A tensor is compared by value only
-    when its version moved (a copy, e.g. after torch.save/load, starts at another version: equal
-    values renew the snapshot's version); not under torch.compile tracing, which cannot read it."""
-    if not isinstance(v, torch.Tensor):
-        return not _equal(v, snap[0])
-    if torch.compiler.is_compiling() or v._version == snap[0]:
+def _tensor_moved(v: torch.Tensor, rec: _TensorSnap) -> bool:
+    if torch.compiler.is_compiling() or (v is rec.obj and not v.is_inference() and v._version == rec.version):
         return False
-    ref = snap[1]
-    if ref is None or v.shape != ref.shape or v.dtype != ref.dtype or not torch.equal(v.detach().to(ref.device), ref):
+    ref = rec.value
+    if v.is_inference() or v.shape != ref.shape or v.dtype != ref.dtype or v.device.type == "meta":
         return True
-    snap[0] = v._version
-    return False
-
-
-def _equal(a: object, b: object) -> bool:
-    """Plain values equal element by element, NaN equal to NaN (a float in a list comes back from
-    pickling as another object)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    return a == b or (isinstance(a, float) and a != a and b != b)
+    a = v.detach().to(ref.device)
+    same = torch.equal(a, ref) if not (a.is_floating_point() or a.is_complex()) else \
+        bool(((a == ref) | (a.isnan() & ref.isnan())).all())
+    if same:
+        rec.obj, rec.version = v, v._version
+    return not same
 
 
 def _layout(block: nn.Module) -> tuple[tuple[str, type], ...]:
