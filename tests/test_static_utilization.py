@@ -106,18 +106,24 @@ B16 = {"x_ptr": 2, "y_ptr": 2, "dy_ptr": 2, "out_ptr": 2}
 def test_memory_ratio_counts_each_activation_once():
     """PreActResNet-164's 3×3 16→16 at 32² on sm_90: 64 bytes of activations per pixel (x and y in bf16)
     against 2,304 MACs: memory takes 4.1× the tensor time at H100's peaks; dgrad reads x for its mask
-    and writes the gradient (96 bytes), wgrad reads x and dy; a residual, fp32 inputs and a stride add
-    or remove their bytes."""
+    and writes the gradient (96 bytes), wgrad reads x and dy; a residual (fprop's ``xin``, in its own
+    dtype; dgrad's gradient ``res``), fp32 inputs and a stride add or remove their bytes (a strided
+    1×1 reads only the pixels it samples)."""
     mac16, mac32, bw = PEAKS["sm_90"]
     per_pixel = lambda nbytes, macs, rate=mac16: (nbytes / bw) / (macs / rate)
     assert memory_ratio("fprop", LAYER, B16, "sm_90") == pytest.approx(per_pixel(64, 2304))
     assert memory_ratio("fprop", LAYER, B16, "sm_90") == pytest.approx(4.102, abs=1e-3)
     assert memory_ratio("dgrad", LAYER, B16, "sm_90") == pytest.approx(per_pixel(96, 2304))
     assert memory_ratio("wgrad", LAYER, B16, "sm_90") == pytest.approx(per_pixel(64, 2304))
-    assert memory_ratio("fprop", {**LAYER, "HAS_RES": True}, B16, "sm_90") == pytest.approx(per_pixel(96, 2304))
+    res32 = {**B16, "xin_ptr": 4, "res_ptr": 4}
+    assert memory_ratio("fprop", {**LAYER, "HAS_RES": True}, res32, "sm_90") == pytest.approx(per_pixel(128, 2304))
+    assert memory_ratio("dgrad", {**LAYER, "HAS_RES": True}, res32, "sm_90") == pytest.approx(per_pixel(160, 2304))
     assert memory_ratio("wgrad", LAYER, {**B16, "x_ptr": 4}, "sm_90") == pytest.approx(per_pixel(96, 2304))
-    strided = {**LAYER, "P": 16, "Q": 16}  # four input pixels per output pixel
+    strided = {**LAYER, "P": 16, "Q": 16}  # four input pixels per output pixel, all read by a 3×3
     assert memory_ratio("fprop", strided, B16, "sm_90") == pytest.approx(per_pixel(4 * 32 + 32, 2304))
+    one = {**strided, "R": 1, "S": 1, "K": 64}  # a strided 1×1 reads one of them: 32 + 128 bytes, 1,024 MACs
+    assert memory_ratio("wgrad_proj", one, B16, "sm_90") == pytest.approx(per_pixel(32 + 128, 1024))
+    assert memory_ratio("dgrad", one, B16, "sm_90") == pytest.approx(per_pixel(128 + 32 + 4 * 32, 1024))
     tf32 = {**LAYER, "DOT_DTYPE": "fp32", "INPUT_PRECISION": "tf32"}
     assert memory_ratio("fprop", tf32, {"x_ptr": 4, "y_ptr": 4}, "sm_90") == pytest.approx(per_pixel(128, 2304, mac32))
     mac16_80, _, bw80 = PEAKS["sm_80"]

@@ -19,8 +19,10 @@ launch's memory time in units of its tensor time at the published peaks of :data
 time is ``max(1, m)`` of them, and ``max(useful bound, m) / max(1, m)`` is how far the SASS alone keeps
 it above that (1: the loop's issue rate costs nothing over the roofline; both are lower bounds on
 time, neither a measurement). Compulsory bytes: each activation tensor of the launch read or written
-once (fprop: x, y and a residual; dgrad: dy, x — its ReLU mask — and the gradient it writes; wgrad:
-x and dy), weights and per-channel vectors left out. Informational, as the useful bound.
+once (fprop: x, y and a residual; dgrad: dy, x — its ReLU mask —, the gradient it writes and the
+residual's gradient it adds; wgrad: x and dy), of x only the pixels a strided 1×1 reads; weights,
+per-channel vectors and fp32 partials (split-K's, dgrad's scratch) left out. Informational, as the
+useful bound.
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def memory_ratio(kernel: str, kw: Mapping, nbytes: Mapping[str, int], arch: str)
         kernel, kw: as :func:`mma_utilization` (``H``, ``W``, ``C``, ``P``, ``Q``, ``K``, ``R``, ``S``,
             ``GROUPS``, ``DOT_DTYPE``, ``INPUT_PRECISION``, ``HAS_RES``, ``HAS_PROJ``).
         nbytes: element size in bytes of the launch's tensor arguments by parameter name (``x_ptr``,
-            ``y_ptr``, ``dy_ptr``, ``out_ptr``, ``res_ptr``).
+            ``y_ptr``, ``xin_ptr`` — fprop's residual —, ``dy_ptr``, ``out_ptr``, ``res_ptr`` — dgrad's
+            residual gradient).
         arch: ``sm_90`` or ``sm_80``.
     """
     if kernel not in ("fprop", "dgrad", "wgrad", "wgrad_proj") or arch not in PEAKS or "H" not in kw or "P" not in kw:
@@ -106,13 +109,16 @@ def memory_ratio(kernel: str, kw: Mapping, nbytes: Mapping[str, int], arch: str)
     mac16, mac32, bw = PEAKS[arch]
     H, W, C, P, Q, K = (int(kw[k]) for k in ("H", "W", "C", "P", "Q", "K"))
     macs = P * Q * K * C // int(kw.get("GROUPS", 1)) * int(kw.get("R", 1)) * int(kw.get("S", 1))
-    x_in, y_out = H * W * C, P * Q * K
+    R, S = int(kw.get("R", 1)), int(kw.get("S", 1))
+    x_in, y_out = (P * Q * C if R == S == 1 else H * W * C), P * Q * K  # a strided 1×1 reads P·Q pixels
     if kernel == "fprop":
         traffic = x_in * nbytes["x_ptr"] + y_out * nbytes["y_ptr"]
         if kw.get("HAS_RES"):
-            traffic += y_out * nbytes.get("res_ptr", nbytes["y_ptr"])
+            traffic += y_out * nbytes["xin_ptr"]
     elif kernel == "dgrad":
-        traffic = y_out * nbytes["dy_ptr"] + x_in * (nbytes["x_ptr"] + nbytes["out_ptr"])
+        traffic = y_out * nbytes["dy_ptr"] + x_in * nbytes["x_ptr"] + H * W * C * nbytes["out_ptr"]
+        if kw.get("HAS_RES"):
+            traffic += H * W * C * nbytes["res_ptr"]
     else:
         traffic = y_out * nbytes["dy_ptr"] + x_in * nbytes["x_ptr"]
     return (traffic / bw) / (macs / (mac16 if sixteen else mac32))
