@@ -321,6 +321,11 @@ def test_decisions_are_kept_per_allowed_set(monkeypatch):
     with auto.measuring(devices=(DEVICE,), timer=timer):
         _block()(x)
     assert sorted(timer.calls) == ["recompute", "triton"]
+    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", ",".join(BACKENDS))  # every one: no restriction
+    m = _block()
+    with auto.measuring(devices=(DEVICE,), timer=_forbidden):
+        m(x)
+    assert m.last_backend == "recompute" and _decision(m).source == "disk cache"
 
 
 @pytest.mark.parametrize("names", ["tritn", "triton,cudnn"])

@@ -315,7 +315,8 @@ def signature(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BN
 
 # --------------------------------------------------------------------------------------- choosing
 def _allowed() -> Optional[frozenset]:
-    """The backend names ``FUSED_PREACT_DISPATCH_CANDIDATES`` allows; None (unset or empty) for all.
+    """The backend names ``FUSED_PREACT_DISPATCH_CANDIDATES`` allows (case-insensitive); None for all
+    (unset, empty, or naming every backend: decisions are shared with unrestricted calls).
 
     Raises:
         ValueError: a name that is not a backend of :data:`~fused_preact.ops.backends.BACKENDS`.
@@ -325,7 +326,7 @@ def _allowed() -> Optional[frozenset]:
     if unknown:
         raise ValueError(f"fused_preact: {ENV_CANDIDATES} names unknown backends {unknown}; expected names of "
                          f"{list(BACKENDS)}")
-    return names or None
+    return names if names and names != set(BACKENDS) else None  # every backend: no restriction
 
 
 def _restrict(static: BackendChoice, allowed: Optional[frozenset], memory: str, x: torch.Tensor, spec: ChainSpec,
