@@ -418,6 +418,23 @@ def test_functional_momentum_none_raises_as_f_batch_norm():
     assert torch.equal(rm, torch.zeros_like(rm))
 
 
+@pytest.mark.parametrize("training", [1, 0, None, "yes", torch.tensor(True)], ids=str)
+def test_functional_training_must_be_bool_as_f_batch_norm(training):
+    """``training=1`` ran (as training) where ``F.batch_norm`` raises its TypeError; every non-bool now
+    raises that error, with its message, before anything runs."""
+    import numpy as np
+
+    x = _x(2, 4, 5, 5, requires_grad=False)
+    w = torch.randn(6, 4, 3, 3, device=DEVICE)
+    rm, rv = torch.zeros(4, device=DEVICE), torch.ones(4, device=DEVICE)
+    for value in (training, np.bool_(True)):
+        with pytest.raises(TypeError) as eager_err:
+            F.batch_norm(x, rm, rv, training=value)
+        with pytest.raises(TypeError, match=re.escape(str(eager_err.value))):
+            bn_relu_conv2d(x, w, None, rm, rv, training=value, padding=1)
+    assert torch.equal(rm, torch.zeros_like(rm))
+
+
 @pytest.mark.parametrize("kind", ["unit", "block"])
 def test_batches_counted_without_running_buffers(kind):
     """``running_mean``/``running_var`` set to None (batch statistics always) with

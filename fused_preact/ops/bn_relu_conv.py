@@ -85,9 +85,15 @@ def bn_relu_conv2d(
             groups, negative padding, dilation < 1, a padding/stride/dilation of 3 or more values).
         ValueError: training with one value per channel, with only one of the running buffers, or with
             ``eps <= 0``; unknown backend name; a padding string other than "valid"/"same".
-        TypeError: ``momentum`` not a number (``F.batch_norm`` takes no ``None`` there).
+        TypeError: ``training`` not a bool, ``momentum`` not a number (``F.batch_norm`` takes no
+            ``None`` there).
     """
     # F.batch_norm's own argument checks, in its order and with its messages.
+    if not isinstance(training, bool):
+        cls = type(training)  # named as CPython's tp_name: a C type outside builtins with its module
+        heap = cls.__flags__ & (1 << 9)  # Py_TPFLAGS_HEAPTYPE: a class defined in Python
+        name = cls.__name__ if heap or cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__name__}"
+        raise TypeError(f"batch_norm(): argument 'training' (position 6) must be bool, not {name}")
     if not isinstance(momentum, (int, float)):
         raise TypeError(f"batch_norm(): argument 'momentum' (position 7) must be float, not {type(momentum).__name__}")
     check_running_buffers(training, running_mean, running_var)
