@@ -335,38 +335,47 @@ def test_an_unknown_candidate_name_raises(monkeypatch, names):
         _block()(_x())
 
 
+class RefusingBackend(RecomputeBackend):
+    """A backend that serves nothing (as the CUDA extension where it is not built)."""
+
+    name = "refusing"
+
+    @classmethod
+    def not_supported_reasons(cls, x, spec=None, dtype=None):
+        return ["refusing: serves nothing"]
+
+
 def test_the_restriction_holds_where_nothing_is_measured(monkeypatch):
-    """priority mode and CUDA-graph capture take the static order among the allowed backends; a
-    restriction no backend can serve runs the static order and says so."""
-    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", "recompute")
+    """priority mode and CUDA-graph capture take the static order among the allowed backends (the
+    lean order under memory='lean', and say so where no allowed backend is lean); a restriction no
+    backend can serve runs the unfused path and says so (it ran triton)."""
+    monkeypatch.setitem(BACKENDS, "refusing", RefusingBackend)
     monkeypatch.setenv("FUSED_PREACT_DISPATCH", "priority")
-    m = _block()
-    m(_x())
-    assert m.last_backend == "recompute" and m.fallback_reason is None
+    for allowed, memory, winner, reason in (("recompute", "fastest", "recompute", None),
+                                            ("recompute", "lean", "recompute", None),
+                                            ("recompute,reference", "fastest", "reference", None),
+                                            ("recompute,reference", "lean", "recompute", None),
+                                            ("reference", "lean", "reference", "memory='lean'"),
+                                            ("refusing", "fastest", "reference", "no allowed backend")):
+        monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", allowed)
+        m = _block(memory=memory, backend="auto")
+        m(_x())
+        assert m.last_backend == winner, (allowed, memory)
+        assert (m.fallback_reason is None) if reason is None else (reason in m.fallback_reason), (allowed, memory)
     monkeypatch.setenv("FUSED_PREACT_DISPATCH", "measure")
+    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", "recompute")
     monkeypatch.setattr(auto, "_capturing", lambda device: True)
     m = _block(memory="lean", backend="auto")
     with auto.measuring(devices=(DEVICE,), timer=_forbidden):
         m(_x())
     assert m.last_backend == "recompute" and "CUDA-graph capture" in m.fallback_reason
     monkeypatch.setattr(auto, "_capturing", lambda device: False)
-    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", "triton")
-    m = _block().double()  # float64: triton refuses
-    with auto.measuring(devices=(DEVICE,), timer=_forbidden):
-        m(_x().double())
-    assert m.last_backend == "reference" and "no allowed backend" in m.fallback_reason
-    if not BACKENDS["cuda"].not_supported_reasons(_x(), None, torch.float32):
-        return
-    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", "cuda")  # refuses here: the unfused path, not triton
-    m = _block()
-    with auto.measuring(devices=(DEVICE,), timer=_forbidden):
-        m(_x())
-    assert m.last_backend == "reference" and "no allowed backend" in m.fallback_reason
-    monkeypatch.setenv("FUSED_PREACT_DISPATCH", "priority")
-    m = _block(memory="lean", backend="auto")
-    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", "reference")
-    m(_x())
-    assert m.last_backend == "reference" and "memory='lean'" in m.fallback_reason
+    for allowed in ("triton", "refusing"):  # float64 (triton refuses), and a backend that serves nothing
+        monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", allowed)
+        m = _block().double()
+        with auto.measuring(devices=(DEVICE,), timer=_forbidden):
+            m(_x().double())
+        assert m.last_backend == "reference" and "no allowed backend" in m.fallback_reason
 
 
 # ---------------------------------------------------------------------------- capture and compile
@@ -418,7 +427,8 @@ def test_compile_never_measures_nor_breaks_the_graph():
 
 def test_compile_traces_an_allowed_backend(monkeypatch):
     """Under a restriction, compile tracing replaces a decision that does not trace by the fastest
-    allowed candidate that does, else the unfused reference (never a disallowed triton)."""
+    allowed candidate that does, else the unfused reference (never a disallowed triton); a signature
+    nothing decided traces the static order among the allowed backends."""
     x = _x(4)
     try:
         for allowed, traced in (("recompute,triton", "triton"), ("recompute", "reference")):
@@ -432,6 +442,11 @@ def test_compile_traces_an_allowed_backend(monkeypatch):
                 torch.compile(m, fullgraph=True, backend="aot_eager")(x).sum().backward()
             assert m.last_backend == traced and "does not run under torch.compile" in m.fallback_reason
             torch._dynamo.reset()
+        monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", "reference")  # a signature nothing decided
+        with auto.measuring(devices=(DEVICE,), timer=_forbidden):
+            m = _block(FusedPreActBlock, (4, 8, 1))
+            torch.compile(m, fullgraph=True, backend="aot_eager")(x).sum().backward()
+        assert m.last_backend == "reference" and "torch.compile tracing" in m.fallback_reason
     finally:
         torch._dynamo.reset()
 

@@ -320,6 +320,7 @@ class InPlaceScheduledBlock(CifarPreActBlock):
         self.ts, self.pair = [torch.ones(1), torch.ones(2)], ("scale", [1.0])
         self.tags, self.by_key = {"a", float("nan")}, {float("nan"): 1, 2: [3.0]}
         self.nan_t, self.big = torch.tensor([float("nan"), 1.0]), torch.zeros(70000)
+        self.nested = [[1.0]]
         with torch.inference_mode():
             self.frozen = torch.ones(2)
 
@@ -339,11 +340,20 @@ def _change(block, attr):
         block.ts[0].mul_(0.2)
     elif attr == "ts-replaced":
         block.ts[0] = torch.full((1,), 0.2)  # a new tensor at the version the old one had
+    elif attr == "scales-appended":
+        block.scales.append(0.2)
+    elif attr == "cfg-key-added":
+        block.cfg["extra"] = 0.2
+    elif attr == "nested-retyped":
+        block.nested[0] = (1.0,)  # same values, another container type
+    elif attr == "pair-longer":
+        block.pair = block.pair + ("more",)  # reassigned: a longer tuple with the same prefix
     else:
         block.pair[1][0] = 0.2
 
 
-@pytest.mark.parametrize("attr", ["cfg", "scales", "res_t", "ts", "ts-replaced", "pair"])
+@pytest.mark.parametrize("attr", ["cfg", "scales", "res_t", "ts", "ts-replaced", "pair", "scales-appended",
+                                  "cfg-key-added", "nested-retyped", "pair-longer"])
 def test_converted_block_sees_attributes_changed_in_place(attr):
     """An attribute the original forward reads changed in place after ``convert()`` — a dict entry, a
     list element, a plain tensor's value, a tensor in a list (changed or replaced), a list in a tuple
@@ -390,3 +400,14 @@ def test_a_block_used_twice_stays_one_module():
     x = torch.randn(2, 4, 6, 6)
     assert_close(model(x), eager(x), torch.float32, "output")
     assert calls == {"fused": 2, "eager": 2}
+
+
+def test_attribute_watch_limits():
+    """What a converted block watches for changes in place (documented in docs/semantics.md): tensors
+    up to 65,536 elements and containers up to 256 leaves; larger ones are not watched."""
+    from fused_preact.conversion.blocks import _snapshot
+
+    assert _snapshot(torch.zeros(1 << 16)) is not None and _snapshot(torch.zeros((1 << 16) + 1)) is None
+    assert _snapshot([0.0] * 255) is not None and _snapshot([0.0] * 256) is None  # the list counts as a leaf too
+    assert _snapshot({"a": [torch.zeros(2)] * 3}) is not None and _snapshot([object()]) is None
+    assert _snapshot((1.0, "a")) is None and _snapshot(3.0) is None  # immutable: nothing to watch

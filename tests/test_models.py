@@ -192,6 +192,36 @@ def _edit_stage_backward_hook(model, fused):
     model.layer2.register_full_backward_hook(lambda mod, gi, go: tuple(g * 0.5 for g in gi))
 
 
+class _ScaledStage(torch.nn.Sequential):
+    """A stage with a forward of its own."""
+
+    def forward(self, x):
+        return torch.tanh(super().forward(x))
+
+
+def _edit_stage_subclass(model, fused):
+    model.layer3 = _ScaledStage(*model.layer3)
+
+
+class _CallingFused(FusedPreActBlock):
+    """A block class with a ``__call__`` of its own (its forward untouched)."""
+
+    def __call__(self, x):
+        return 0.5 * (super().__call__(x) + x)
+
+
+class _CallingEager(PreActBlock):
+    def __call__(self, x):
+        return 0.5 * (super().__call__(x) + x)
+
+
+def _edit_block_call(model, fused):
+    old = model.layer2[1]
+    new = (_CallingFused if fused else _CallingEager)(32, 32, 1).to(old.bn1.weight)
+    new.load_state_dict(old.state_dict())
+    model.layer2[1] = new
+
+
 def _stagewise(model, x):
     """``PreActResNet.forward`` with every stage called as a module: the reference."""
     x = model.stem(x)
@@ -202,9 +232,11 @@ def _stagewise(model, x):
 
 
 @pytest.mark.parametrize("edit", [_edit_subclass, _edit_instance_forward, _edit_child_forward,
-                                  _edit_block_backward_pre_hook, _edit_stage_backward_hook],
+                                  _edit_block_backward_pre_hook, _edit_stage_backward_hook, _edit_stage_subclass,
+                                  _edit_block_call],
                          ids=["subclass-forward", "instance-forward", "child-instance-forward",
-                              "block-backward-pre-hook", "stage-backward-hook"])
+                              "block-backward-pre-hook", "stage-backward-hook", "stage-subclass-forward",
+                              "block-own-call"])
 def test_model_honours_what_its_blocks_calls_would_run(edit):
     """``PreActResNet.forward`` chains its fused blocks without calling them (statistics handed from
     block to block); a block or stage whose call is not its plain forward — a subclass's forward, one
@@ -242,3 +274,22 @@ def test_global_backward_hooks_see_every_block():
             handle.remove()
         seen[fused] = sum(c in ("FusedPreActBlock", "PreActBlock") for c in calls)
     assert seen[True] == seen[False] == 3
+
+
+def test_a_block_compiled_in_place_is_called():
+    """``block.compile()`` (``Module.compile``) inside a fused model: the model calls the block, so its
+    compiled call runs (chained, it was skipped: same values, the compilation never used)."""
+    torch.manual_seed(0)
+    model = preact_resnet_cifar(14, fused=True).to(DEVICE)
+    calls = []
+
+    def counting(gm, example_inputs):
+        calls.append(len(example_inputs))
+        return gm.forward
+
+    try:
+        model.layer2[1].compile(backend=counting)
+        model(torch.randn(2, 3, 8, 8, device=DEVICE))
+    finally:
+        torch._dynamo.reset()
+    assert calls, "the block's compiled call did not run"

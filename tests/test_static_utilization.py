@@ -124,6 +124,12 @@ def test_memory_ratio_counts_each_activation_once():
     one = {**strided, "R": 1, "S": 1, "K": 64}  # a strided 1×1 reads one of them: 32 + 128 bytes, 1,024 MACs
     assert memory_ratio("wgrad_proj", one, B16, "sm_90") == pytest.approx(per_pixel(32 + 128, 1024))
     assert memory_ratio("dgrad", one, B16, "sm_90") == pytest.approx(per_pixel(128 + 32 + 4 * 32, 1024))
+    conv3 = {**LAYER, "R": 1, "S": 1, "K": 64, "HAS_RES": True}  # a bottleneck's conv3: the residual is y-sized
+    assert memory_ratio("fprop", conv3, res32, "sm_90") == pytest.approx(per_pixel(32 + 128 + 256, 1024))
+    grouped = {**LAYER, "C": 64, "K": 64, "GROUPS": 4}  # a quarter of the MACs of the dense 64→64
+    assert memory_ratio("fprop", grouped, B16, "sm_90") == pytest.approx(per_pixel(256, 64 * 16 * 9))
+    row = {**strided, "R": 1}  # a 1×3 strided filter row still reads every pixel it strides over
+    assert memory_ratio("fprop", row, B16, "sm_90") == pytest.approx(per_pixel(4 * 32 + 32, 16 * 16 * 3))
     tf32 = {**LAYER, "DOT_DTYPE": "fp32", "INPUT_PRECISION": "tf32"}
     assert memory_ratio("fprop", tf32, {"x_ptr": 4, "y_ptr": 4}, "sm_90") == pytest.approx(per_pixel(128, 2304, mac32))
     mac16_80, _, bw80 = PEAKS["sm_80"]

@@ -53,10 +53,10 @@ class ConvertedPreActBlock(FusedModuleBase):
     computed as the original block computes them. The same when one of the original block's own
     public attributes (copied onto this block, e.g. a residual scale or a dropout rate its forward
     reads) is assigned another value or changed in place (``_changed_attributes``: lists, dicts,
-    sets and tuples of plain values and small tensors, nested, up to 256 leaves, are compared with a
-    record taken at conversion, a tensor by its version counter and then its value — not under
-    torch.compile tracing, which cannot read it; another mutable object, or a larger one, changed in
-    place is not seen). Replacing a child by one of the same type, a hook, or a changed attribute of
+    sets and tuples of plain values and small tensors, nested, up to 256 values with the containers,
+    are compared with a record taken at conversion, a tensor by its version counter and then its
+    value — not under torch.compile tracing, which cannot read it; another mutable object, or a
+    larger one, changed in place is not seen). Replacing a child by one of the same type, a hook, or a changed attribute of
     a child is read by the fused path on every call, as before.
 
     Attributes:
@@ -196,8 +196,8 @@ def _same(a: object, b: object) -> bool:
     return a is b
 
 
-#: The most leaves (scalars, tensors) of an attribute watched for changes in place, and the most
-#: elements of a watched tensor: larger ones are not watched (the per-call comparison stays cheap).
+#: The most values (scalars, tensors, containers) of an attribute watched for changes in place, and
+#: the most elements of a watched tensor: larger ones are not watched (the comparison per call stays cheap).
 _WATCH_LEAVES = 256
 _WATCH_ELEMENTS = 1 << 16
 _NAN = ("nan",)  # a NaN set element or dict key, made comparable (pickling makes another float object)
