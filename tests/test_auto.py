@@ -376,6 +376,17 @@ def test_the_restriction_holds_where_nothing_is_measured(monkeypatch):
         with auto.measuring(devices=(DEVICE,), timer=_forbidden):
             m(_x().double())
         assert m.last_backend == "reference" and "no allowed backend" in m.fallback_reason
+    monkeypatch.delenv("FUSED_PREACT_DISPATCH_CANDIDATES")
+    m = _block().double()  # unrestricted, one backend serves (float64: the reference): nothing measured
+    with auto.measuring(devices=(DEVICE,), timer=_forbidden):
+        m(_x().double())
+    assert m.last_backend == "reference" and _decision(m) is None
+    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CANDIDATES", "reference")
+    m = _block(memory="lean", backend="auto")  # measured, valid, not lean: the decision's note says so
+    with auto.measuring(devices=(DEVICE,), timer=Timer()):
+        m(_x())
+    assert m.last_backend == "reference" and _decision(m).source == "measured"
+    assert "no lean candidate passed validation" in m.fallback_reason
 
 
 # ---------------------------------------------------------------------------- capture and compile

@@ -375,6 +375,8 @@ def test_converted_block_sees_attributes_changed_in_place(attr):
     for m in (model, copy.deepcopy(model), torch.load(buf, weights_only=False)):
         assert_close(m(x), eager(x), torch.float32, "unchanged")
         assert m[0].last_backend != "reference", m[0].fallback_reason
+        rec = m[0]._source_snaps["res_t"][1]  # renewed: later calls compare versions, not values (a sync)
+        assert rec.obj is m[0].res_t and rec.version == m[0].res_t._version
     for m in (model, eager):
         _change(m[0], attr)
     assert_close(model(x), eager(x), torch.float32, attr)

@@ -391,10 +391,9 @@ def _pick(cands: list[Candidate], memory: str) -> tuple[Optional[str], Optional[
 
 
 def _choice(d: Decision, skipped: tuple = ()) -> BackendChoice:
-    """The decision's backend; a winner that was not among its candidates (the unfused path taken
-    because every allowed candidate failed validation) carries the decision's note as its reason."""
-    fallback = d.note is not None and all(c.name != d.winner for c in d.candidates)
-    return BackendChoice(BACKENDS[d.winner], tuple(skipped) + ((d.note,) if fallback else ()), d)
+    """The decision's backend, its note (a policy it could not honour: no lean candidate valid, every
+    allowed candidate invalid) as the reason."""
+    return BackendChoice(BACKENDS[d.winner], tuple(skipped) + ((d.note,) if d.note else ()), d)
 
 
 def _held(key, sig: str, x: torch.Tensor, eligible: set, disk: bool) -> Optional[Decision]:
