@@ -123,7 +123,8 @@ def _exactly(m: nn.Module, cls: type) -> bool:
 
 def _norm_act(bn: nn.Module) -> list[nn.Module]:
     """A timm-style BatchNormAct2d's ``act`` and ``drop`` (which the fused path never calls), else []."""
-    act, drop = getattr(bn, "act", None), getattr(bn, "drop", None)
+    mods = getattr(bn, "_modules", None) or {}  # registered children: no __getattr__ miss per call
+    act, drop = mods.get("act"), mods.get("drop")
     return [act, drop] if isinstance(act, nn.Module) and isinstance(drop, nn.Module) else []
 
 
@@ -135,14 +136,15 @@ def _type_reasons(units: list, proj: Optional[nn.Module] = None) -> list[str]:
     and any of them (or a BatchNormAct2d's ``act``/``drop``) whose ``forward`` was set on the instance
     (accelerate's offload hooks, a monkeypatch)."""
     reasons = []
-    mods = [m for bn, conv in units for m in (bn, *_norm_act(bn), conv)] + ([proj] if proj is not None else [])
-    for m in mods:
-        if "forward" in vars(m):
-            reasons.append(f"{type(m).__name__} has a forward set on the instance (it runs)")
+    if proj is not None and "forward" in proj.__dict__:
+        reasons.append(f"{type(proj).__name__} has a forward set on the instance (it runs)")
     if proj is not None and not _exactly(proj, nn.Conv2d):
         reasons.append(f"{type(proj).__name__} shortcut is not exactly nn.Conv2d (its own forward runs)")
     for bn, conv in units:
         act = _norm_act(bn)
+        for m in (bn, *act, conv):
+            if "forward" in m.__dict__:
+                reasons.append(f"{type(m).__name__} has a forward set on the instance (it runs)")
         if not (_exactly(bn, nn.BatchNorm2d) or _exactly(bn, nn.SyncBatchNorm) or (
                 isinstance(bn, nn.BatchNorm2d) and act and type(act[0]) is nn.ReLU and type(act[1]) is nn.Identity)):
             reasons.append(f"{type(bn).__name__} is not exactly nn.BatchNorm2d (its own forward runs)")
