@@ -72,8 +72,11 @@ def test_report_on_one_layer_and_cache(tmp_path):
         assert e["shapes"] and all("preact_resnet164/" in s for s in e["shapes"])
     for e in conv:
         assert e["mma"] > 0 and e["mma_by_op"].get("HGMMA" if e["arch"] == "sm_90" else "HMMA") == e["mma"]
-        # the 3×3 16→16's tiles fit its channels: all of the MMA work is real
+        # the 3×3 16→16's tiles fit its channels: all of the MMA work is real, and no two warps
+        # compute the same results
         assert set(e["mma_util"]) == set(e["shapes"]) and set(e["mma_util"].values()) == {1.0}
+        assert e["mma_dots"] and e["mma_replication"] == 1.0
+        assert {d["op"] for d in e["mma_dots"]} == {"ttng.warp_group_dot" if e["arch"] == "sm_90" else "tt.dot"}
         # aligned tensors carry the divisibility attribute; autocast's launches (x32) read an fp32 input
         # or residual
         if "x32" in e["variant"]:
@@ -83,7 +86,7 @@ def test_report_on_one_layer_and_cache(tmp_path):
     assert any("x32" in e["variant"] for e in conv) and any("x32" not in e["variant"] for e in conv)
     assert "fprop" in proc.stdout and "regs" in proc.stdout and "util" in proc.stdout  # the table
     assert obj["useful_bounds"] and all(v["utilization"] == 1.0 for v in obj["useful_bounds"].values())
-    assert all(e.get("mma_util") is None for e in other)
+    assert all(e.get("mma_util") is None and e["mma_replication"] == 1.0 for e in other)
 
     again, obj2 = _static(tmp_path, *args)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -7,6 +7,7 @@ import torch
 
 from tools.static_report.utilization import (
     PEAKS,
+    dot_replication,
     memory_ratio,
     mma_utilization,
     roofline_figures,
@@ -42,6 +43,36 @@ def test_mma_utilization(kernel, kw, util):
 def test_other_kernels_have_none():
     assert mma_utilization("dx", {**GEO, "C": 16, "K": 16, "BLOCK_M": 64, "BLOCK_C": 64}) is None
     assert mma_utilization("fprop", {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}) is None
+
+
+# TTGIR lines as Triton 3.9 writes them (an mma.sync loop of 16×16 dots in 4 warps, whose several dots
+# put every warp along M; a wgmma warpgroup over 64 rows; mma.sync 64×64 in 2×2 warps)
+_V2_4x1 = "#mma = #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, warpsPerCTA = [4, 1], instrShape = [16, 8]}>"
+_V3 = "#mma1 = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [4, 1], instrShape = [16, 64, 16]}>"
+_V2_2x2 = "#mma2 = #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, warpsPerCTA = [2, 2], instrShape = [16, 8]}>"
+_DOT = ("      %acc_81 = tt.dot %a_69, %b_70, %acc_59, inputPrecision = tf32 : tensor<{m}x16xbf16, #ttg.dot_op<{{opIdx = 0, "
+        "parent = {lay}, kWidth = 2}}>> * tensor<16x{n}xbf16, #ttg.dot_op<{{opIdx = 1, parent = {lay}, kWidth = 2}}>> "
+        "-> tensor<{m}x{n}xf32, {lay}> loc(#loc33)")
+_WGMMA = ("      %acc_63 = ttng.warp_group_dot %a_61, %b_62, %acc_48 {{inputPrecision = 0 : i32, isAsync = true}} : "
+          "!ttg.memdesc<{m}x64xbf16, #shared, #smem, mutable> * !ttg.memdesc<64x{n}xbf16, #shared, #smem, mutable> "
+          "-> tensor<{m}x{n}xf32, #mma1> loc(#loc33)")
+
+
+@pytest.mark.parametrize("lines, dots, rep", [
+    ([_V2_4x1, _DOT.format(m=16, n=16, lay="#mma"), _DOT.format(m=16, n=16, lay="#mma")],
+     [([16, 16], [4, 1], 4.0)], 4.0),  # one distinct dot, each element in 4 warps
+    ([_V2_4x1, _DOT.format(m=16, n=64, lay="#mma")], [([16, 64], [4, 1], 4.0)], 4.0),
+    ([_V2_2x2, _DOT.format(m=16, n=16, lay="#mma2")], [([16, 16], [2, 2], 2.0)], 2.0),
+    ([_V2_2x2, _DOT.format(m=64, n=64, lay="#mma2")], [([64, 64], [2, 2], 1.0)], 1.0),
+    ([_V2_2x2, _DOT.format(m=32, n=8, lay="#mma2")], [([32, 8], [2, 2], 2.0)], 2.0),  # two warps on 8 columns
+    ([_V3, _WGMMA.format(m=128, n=64)], [([128, 64], [4, 1], 1.0)], 1.0),
+    ([_V3.replace("64, 16]", "16, 16]"), _WGMMA.format(m=64, n=16)], [([64, 16], [4, 1], 1.0)], 1.0),
+    (["module {}"], [], 1.0),
+])
+def test_dot_replication(lines, dots, rep):
+    got = dot_replication("\n".join(lines))
+    assert [(d["shape"], d["warps"], d["replication"]) for d in got["dots"]] == dots
+    assert got["replication"] == rep
 
 
 def test_useful_bound():

@@ -46,12 +46,12 @@ from typing import Any, Callable, Optional, Sequence
 
 from tools.static_report.jobs import StaticJob
 from tools.static_report.sass import cubin_metrics, demangle, short_name
-from tools.static_report.utilization import memory_ratio, mma_utilization
+from tools.static_report.utilization import dot_replication, memory_ratio, mma_utilization
 
 __all__ = ["specialize", "triton_entries", "csrc_entries", "import_attr", "PARSER_VERSION"]
 
 #: Bumped when the metrics read from a cubin change (invalidates the metrics cache).
-PARSER_VERSION = 3
+PARSER_VERSION = 4
 _POOL_MIN = 8
 
 
@@ -170,8 +170,9 @@ def _resolve(module: str, qualname: str, cache_key: str):
 
 def _compile_task(task: dict) -> dict:
     """Compile one specialization (in a worker process) and read its cubin. Returns the metrics of
-    its single function, ``shared_bytes`` including Triton's dynamic shared memory, ``compile_s``;
-    or ``{"error": …}``."""
+    its single function, ``shared_bytes`` including Triton's dynamic shared memory, ``mma_dots`` and
+    ``mma_replication`` (:func:`~tools.static_report.utilization.dot_replication` of its TTGIR),
+    ``compile_s``; or ``{"error": …}``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -190,6 +191,8 @@ def _compile_task(task: dict) -> dict:
         return {"error": f"{type(e).__name__}: {str(e)[:500]}", "compile_s": time.perf_counter() - t0}
     m["static_shared_bytes"] = m["shared_bytes"]
     m["shared_bytes"] += int(k.metadata.shared)
+    rep = dot_replication(k.asm["ttgir"])
+    m["mma_dots"], m["mma_replication"] = rep["dots"], rep["replication"]
     m["compile_s"] = round(time.perf_counter() - t0, 2)
     return m
 
@@ -238,7 +241,8 @@ def triton_entries(jobs: Sequence[StaticJob], archs: Sequence[int], processes: i
     distinct compilation, labelled by its first job, with ``shapes`` listing every job's shape and
     ``roles`` every job's non-empty :attr:`StaticJob.role` (sorted: a config can be the default and a
     candidate at once); a convolution's entry also has ``mma_util``, per shape the smallest
-    :func:`~tools.static_report.utilization.mma_utilization` of its launches there,
+    :func:`~tools.static_report.utilization.mma_utilization` of its launches there divided by the
+    compilation's ``mma_replication`` (its warps computing the same MMA results),
     ``default_shapes``, the shapes where it runs untuned (a default or a role-less job), and
     ``mem_ratio``, per shape the largest :func:`~tools.static_report.utilization.memory_ratio` of
     its launches there (where it is defined)."""
@@ -303,14 +307,16 @@ def triton_entries(jobs: Sequence[StaticJob], archs: Sequence[int], processes: i
     entries = []
     for key, g in groups.items():
         job, m = g["job"], metrics[key]
+        rep = m.get("mma_replication") or 1.0
+        util = {shape: round(u / rep, 3) for shape, u in g["util"].items()}
         entries.append({"kind": kind, "kernel": job.kernel, "config": job.config, "variant": job.variant,
                         "dtype": job.dtype, "arch": f"sm_{g['arch']}", "conv": job.conv,
                         **{k: v for k, v in m.items() if k != "arch"},
                         "shapes": g["shapes"], "roles": sorted(g["roles"]), "launches": g["jobs"],
                         "signature": g["signature"],
                         "constexprs": g["constexprs"], "key": key[:16],
-                        **({"mma_util": g["util"], "default_shapes": sorted(g["default_shapes"])}
-                           if g["util"] else {}),
+                        **({"mma_util": util, "default_shapes": sorted(g["default_shapes"])}
+                           if util else {}),
                         **({"mem_ratio": g["mem"]} if g["mem"] else {})})
     return entries, {"launches": sum(g["jobs"] for g in groups.values()), "compilations": len(groups),
                      "compiled": len(todo), "cached": len(groups) - len(todo)}

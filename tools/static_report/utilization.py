@@ -11,7 +11,12 @@ tensor clocks when the ratio is above 1). Informational: ``--check`` does not re
 
 Counted per launch from its tile (``BLOCK_*``, dgrad's ``SLOTS``) and its layer (``C``, ``K``,
 ``GROUPS``, ``S``, strides), along the MMA's channel dimensions; the pixel dimension (the last tile of
-rows, a 3×3 wgrad's border rows whose tap falls into the padding) is taken as full.
+rows, a 3×3 wgrad's border rows whose tap falls into the padding) is taken as full. A compilation's
+*replication* (:func:`dot_replication`, read from Triton's TTGIR) divides it further: where a dot's
+result is smaller than the tile its warps' MMA layout covers, several warps compute the same
+elements — Triton's mma.sync layouts (``warpsPerTileV2``) place warps beyond a result's 16×8 blocks
+along M, and in a loop with several dots every warp along M, so a 16×16 accumulator in 4 warps is
+computed 4 times.
 
 The *roofline excess* sets the useful bound against the memory traffic the launch cannot avoid:
 ``memory ratio`` m = (compulsory bytes / memory bandwidth) / (real MACs / tensor-core MAC rate), the
@@ -28,11 +33,13 @@ useful bound.
 from __future__ import annotations
 
 import math
+import re
 from typing import Mapping, Optional, Sequence
 
 from tools.static_report.loop_limits import variant_key
 
-__all__ = ["mma_utilization", "useful_bound", "useful_figures", "PEAKS", "memory_ratio", "roofline_figures"]
+__all__ = ["mma_utilization", "dot_replication", "useful_bound", "useful_figures", "PEAKS", "memory_ratio",
+           "roofline_figures"]
 
 #: Published dense peaks per arch: (16-bit tensor-core MAC/s, TF32 MAC/s, memory bytes/s). sm_90: H100
 #: SXM5 (989.4 bf16/fp16 TFLOP/s, 494.7 TF32, HBM3 3.35 TB/s); sm_80: A100 SXM4 80 GB (312, 156,
@@ -83,6 +90,37 @@ def mma_utilization(kernel: str, kw: Mapping) -> Optional[float]:
         taps = _phase_taps(S, stride_w, int(kw["PAD_W"])) if phased else S
         return _fill(Cg, bn) * min(taps, slots) * min(Kg, bk // slots) / bk
     return _fill(Cg, bn) * _fill(Kg, bm)
+
+
+_MMA_ALIAS = re.compile(r"^(#[\w.]+) = (#ttg\.nvidia_mma<\{[^}]*\}>)", re.M)
+_DOT = re.compile(r"= (tt\.dot|ttng\.warp_group_dot) .*?-> tensor<(\d+)x(\d+)x\w+, (#[\w.]+)>")
+
+
+def dot_replication(ttgir: str) -> dict:
+    """The MMA dots of a compilation's TTGIR (``CompiledKernel.asm["ttgir"]``) and how many warps compute
+    each of their elements.
+
+    A dot ``tt.dot`` (mma.sync, ``versionMajor = 2``) or ``ttng.warp_group_dot`` (wgmma, 3) with an
+    ``M × N`` result in an ``#ttg.nvidia_mma`` layout of ``warpsPerCTA = [wm, wn]`` and
+    ``instrShape = [16, n, …]`` covers ``wm·16`` rows and ``wn·n`` columns per repetition (16 rows per
+    warp for both versions: a wgmma warpgroup is 4 warps of 16 rows); a result smaller than that is
+    held, and multiplied, by ``wm·16/M`` (``wn·n/N``) warps alike. Returns ``{"dots": [{"op", "shape",
+    "warps", "instr", "replication"}, …] (one per distinct dot), "replication": the largest}``; 1 when
+    the TTGIR has no such dot."""
+    layouts = dict(_MMA_ALIAS.findall(ttgir))
+    dots = []
+    for m in _DOT.finditer(ttgir):
+        M, N, lay = int(m.group(2)), int(m.group(3)), layouts.get(m.group(4), m.group(4))
+        w = re.search(r"warpsPerCTA = \[(\d+), (\d+)\]", lay)
+        i = re.search(r"instrShape = \[(\d+), (\d+)", lay)
+        if not w or not i:
+            continue
+        wm, wn, n = int(w.group(1)), int(w.group(2)), int(i.group(2))
+        rep = max(1.0, wm * 16 / M) * max(1.0, wn * n / N)
+        d = {"op": m.group(1), "shape": [M, N], "warps": [wm, wn], "instr": [int(i.group(1)), n], "replication": rep}
+        if d not in dots:
+            dots.append(d)
+    return {"dots": dots, "replication": max([d["replication"] for d in dots], default=1.0)}
 
 
 def memory_ratio(kernel: str, kw: Mapping, nbytes: Mapping[str, int], arch: str) -> Optional[float]:
