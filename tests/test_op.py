@@ -209,15 +209,15 @@ def test_wgrad_unrolled_loop(monkeypatch, shape, split):
 
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("shape, cfg", [
-    ((2, 16, 9, 7, 16, 3, 1, 1, 1, 1), GemmConfig(16, 16, 128, 4, 2, unroll=2)),
-    ((2, 32, 9, 9, 32, 3, 2, 1, 1, 1), GemmConfig(32, 32, 64, 4, 2, unroll=2)),
-    ((2, 16, 12, 12, 64, 1, 1, 0, 1, 1), GemmConfig(64, 16, 256, 4, 3)),
-    ((2, 32, 8, 12, 72, 1, 1, 0, 1, 1), GemmConfig(128, 32, 128, 4, 3)),
-    ((2, 48, 7, 7, 96, 3, 1, 1, 1, 3), GemmConfig(32, 16, 64, 4, 3)),
+    ((2, 16, 9, 7, 16, 3, 1, 1, 1, 1), GemmConfig(16, 16, 128, 1, 2, unroll=2)),
+    ((2, 32, 9, 9, 32, 3, 2, 1, 1, 1), GemmConfig(32, 32, 128, 2, 2, unroll=2)),
+    ((2, 16, 12, 12, 64, 1, 1, 0, 1, 1), GemmConfig(64, 16, 256, 1, 3)),
+    ((2, 32, 8, 12, 72, 1, 1, 0, 1, 1), GemmConfig(128, 32, 128, 2, 3)),
+    ((2, 48, 7, 7, 96, 3, 1, 1, 1, 3), GemmConfig(32, 16, 64, 1, 3)),
 ], ids=lambda v: _ids(v) if isinstance(v, tuple) else v.label())
 def test_narrow_wgrad_tiles(monkeypatch, shape, cfg, split):
-    """sm_80's wgrad tiles fitted to ≤ 32 input channels (``configs._narrow_wgrad_tiles``): BLOCK_N
-    of 16 or 32 channels, unrolled with one output-channel piece, or up to four pieces of them (72
+    """The wgrad tiles fitted to ≤ 32 input channels (``configs._narrow_wgrad_tiles``, sm_80 and
+    sm_90): BLOCK_N of 16 or 32 channels in 1 or 2 warps, unrolled with one output-channel piece, or up to four pieces of them (72
     output channels: the last tile partly masked; 3 groups of 16 → 32 channels), alone and in split-K
     chunks."""
     monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: cfg)

@@ -303,6 +303,19 @@ def test_check_rules_and_table():
     assert row[:6] == ["fprop", "128x64x64", "w4", "s3", "bf16", "sm_90"] and "128-200" in row and "32:2" in table
 
 
+def test_check_accepts_mma_sync_only_where_wgmma_cannot_run():
+    """On sm_90 a convolution on HMMA passes only where every dot has fewer rows than wgmma's 64 (the
+    narrow wgrad tiles, ``_narrow_mma_sync``); a 64-row dot on HMMA, a compilation without dot records
+    and sm_80's HMMA are judged as before."""
+    dot = lambda rows, op="tt.dot": {"op": op, "shape": [rows, 16], "warps": [1, 1], "instr": [16, 8], "replication": 1.0}
+    hmma = dict(kernel="wgrad", mma=0, mma_by_op={"HMMA": 32})
+    assert limits.check_entries([_entry(**hmma, mma_dots=[dot(16)]), _entry(**hmma, mma_dots=[dot(32), dot(16)])]) == []
+    bad = limits.check_entries([_entry(**hmma, mma_dots=[dot(64)]), _entry(**hmma, mma_dots=[dot(16), dot(64)]),
+                                _entry(**hmma), _entry(**hmma, mma_dots=[dot(16, "ttng.warp_group_dot")])])
+    assert len(bad) == 4 and all("no HGMMA" in b for b in bad)
+    assert limits.check_entries([_entry(arch="sm_80", mma=32, mma_by_op={"HMMA": 32})]) == []
+
+
 def test_check_rules_on_operand_loads():
     """The measured failure of the first GPU run (96 scalar LDG.E.U16 of the activation tile) and a
     mainloop without async copies fail; fp32's 32-bit loads and a non-convolution pass."""

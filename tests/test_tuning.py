@@ -185,35 +185,42 @@ def test_fprop_unrolls_where_the_arch_allows(monkeypatch):
         assert all((c.unroll == 2) == (c.BLOCK_N <= 32) for c in candidates("fprop", 10**6, kg, cg, torch.bfloat16, arch=80))
 
 
-def test_narrow_wgrad_tiles_on_sm80(monkeypatch):
-    """On sm_80 (mma.sync: 16 rows at a time) wgrad over ≤ 32 input channels per group takes tiles of
-    16 or 32 channels, not 64 of which a half or three quarters multiply zeros: one output-channel
-    piece unrolled over two row blocks of 2048 / BLOCK_N rows, several pieces over 128 rows (bf16's
-    256 and 512 as candidates); as default and among the candidates. sm_90 (wgmma: 64 rows per warpgroup) and wider
-    inputs keep 64-channel tiles."""
+def test_narrow_wgrad_tiles(monkeypatch):
+    """On sm_80 and sm_90 wgrad over ≤ 32 input channels per group takes tiles of 16 or 32 channels on
+    mma.sync (16 rows at a time), not 64 of which a half or three quarters multiply zeros (wgmma's 64
+    rows per warpgroup; those stay candidates), in BLOCK_N / 16 warps so that no two warps compute
+    the same results: one output-channel piece unrolled over two row blocks of 128 rows, several
+    pieces over 128 rows (bf16's 256, and 512 with 16 channels, as candidates; fp32 activations 256);
+    as default and among the candidates. Wider inputs, fp32 and an unknown arch keep 64-channel
+    tiles."""
     from fused_preact.ops.triton import configs
 
     monkeypatch.setattr(configs, "interpreting", lambda: False)
     wgrad_config = configs.wgrad_config
     big = 10**6
-    assert wgrad_config(16, 16, big, torch.bfloat16, arch=80) == GemmConfig(16, 16, 128, 4, 2, unroll=2)
-    assert wgrad_config(16, 16, big, torch.float16, arch=86, x32=True) == GemmConfig(16, 16, 128, 4, 2, unroll=2)
-    assert wgrad_config(32, 32, big, torch.float16, arch=80) == GemmConfig(32, 32, 64, 4, 2, unroll=2)
-    assert wgrad_config(16, 32, big, torch.bfloat16, arch=80, strided=True) == GemmConfig(16, 32, 64, 4, 2, unroll=2)
-    assert wgrad_config(64, 16, big, torch.bfloat16, arch=80) == GemmConfig(64, 16, 128, 4, 3)
-    assert wgrad_config(64, 16, big, torch.float16, arch=80) == GemmConfig(64, 16, 128, 4, 3)
-    assert wgrad_config(256, 32, big, torch.bfloat16, arch=80) == GemmConfig(128, 32, 128, 4, 3)
-    assert wgrad_config(24, 24, big, torch.bfloat16, arch=80) == GemmConfig(32, 32, 64, 4, 2, unroll=2)
-    for args, kw in (((16, 16), dict(arch=90)), ((16, 64), dict(arch=80)), ((16, 16), dict(arch=0))):
+    for arch, st in ((80, 3), (86, 3), (90, 2)):
+        assert wgrad_config(16, 16, big, torch.bfloat16, arch=arch) == GemmConfig(16, 16, 128, 1, 2, unroll=2)
+        assert wgrad_config(16, 16, big, torch.float16, arch=arch, x32=True) == GemmConfig(16, 16, 128, 1, 2, unroll=2)
+        assert wgrad_config(32, 32, big, torch.float16, arch=arch) == GemmConfig(32, 32, 128, 2, 2, unroll=2)
+        assert wgrad_config(16, 32, big, torch.bfloat16, arch=arch, strided=True) == GemmConfig(16, 32, 128, 2, 2,
+                                                                                                unroll=2)
+        assert wgrad_config(64, 16, big, torch.bfloat16, arch=arch) == GemmConfig(64, 16, 128, 1, st)
+        assert wgrad_config(64, 16, big, torch.float16, arch=arch) == GemmConfig(64, 16, 128, 1, st)
+        assert wgrad_config(64, 16, big, torch.bfloat16, arch=arch, x32=True) == GemmConfig(64, 16, 256, 1, st)
+        assert wgrad_config(256, 32, big, torch.bfloat16, arch=arch) == GemmConfig(128, 32, 128, 2, st)
+        assert wgrad_config(24, 24, big, torch.bfloat16, arch=arch) == GemmConfig(32, 32, 128, 2, 2, unroll=2)
+        cands = candidates("wgrad", 64, 16, big, torch.bfloat16, arch=arch)
+        assert {GemmConfig(64, 16, 128, 1, st), GemmConfig(64, 16, 256, 1, st), GemmConfig(64, 16, 512, 1, 2)} <= set(cands)
+        assert any(c.BLOCK_N == 64 for c in cands)
+        assert [c for c in candidates("wgrad", 64, 16, big, torch.float16, arch=arch) if c.BLOCK_N == 16] == [
+            GemmConfig(64, 16, 128, 1, st)]
+        assert [c for c in candidates("wgrad", 128, 32, big, torch.bfloat16, arch=arch) if c.BLOCK_N == 32] == [
+            GemmConfig(128, 32, 128, 2, st), GemmConfig(128, 32, 256, 2, st)]  # 512 rows spill
+        assert GemmConfig(16, 16, 128, 1, 2, unroll=2) in candidates("wgrad", 16, 16, big, torch.bfloat16, arch=arch)
+        assert all(c.BLOCK_N == 64 for c in candidates("wgrad", 16, 16, big, torch.float32, arch=arch))
+    for args, kw in (((16, 64), dict(arch=80)), ((16, 64), dict(arch=90)), ((16, 16), dict(arch=0))):
         assert wgrad_config(*args, big, torch.bfloat16, **kw).BLOCK_N == 64, (args, kw)
     assert wgrad_config(16, 16, big, torch.float32, arch=80).BLOCK_N == 64  # TF32 tiles unchanged
-    cands = candidates("wgrad", 64, 16, big, torch.bfloat16, arch=80)
-    assert {GemmConfig(64, 16, 128, 4, 3), GemmConfig(64, 16, 256, 4, 3), GemmConfig(64, 16, 512, 4, 2)} <= set(cands)
-    assert [c for c in candidates("wgrad", 64, 16, big, torch.float16, arch=80) if c.BLOCK_N == 16] == [
-        GemmConfig(64, 16, 128, 4, 3)]
-    assert GemmConfig(16, 16, 128, 4, 2, unroll=2) in candidates("wgrad", 16, 16, big, torch.bfloat16, arch=80)
-    assert all(c.BLOCK_N == 64 for c in candidates("wgrad", 16, 16, big, torch.bfloat16, arch=90))
-    assert all(c.BLOCK_N == 64 for c in candidates("wgrad", 16, 16, big, torch.float32, arch=80))
 
 
 def test_wgrad_unrolls_where_the_arch_allows(monkeypatch):

@@ -39,10 +39,20 @@ def _operand_load_problems(e: dict) -> list[str]:
     return why
 
 
+def _narrow_mma_sync(e: dict, arch: int) -> bool:
+    """Whether a compilation for sm_90+ uses mma.sync (HMMA) because no dot of it can take wgmma: every
+    dot (``mma_dots``) has fewer than 64 result rows, wgmma's least M (64 per warpgroup) — the narrow
+    wgrad tiles of ``configs._narrow_wgrad_tiles``. A dot of 64 rows or more on HMMA still fails."""
+    dots = e.get("mma_dots") or []
+    return (arch >= 90 and bool(e.get("mma_by_op", {}).get("HMMA")) and bool(dots)
+            and all(d["op"] == "tt.dot" and d["shape"][0] < 64 for d in dots))
+
+
 def check_entries(entries: Sequence[dict]) -> list[str]:
     """Why each failing entry fails ``--check``: compile error, stack_bytes > 0 (spills), shared
     memory over the arch's per-block limit (:data:`SMEM_LIMIT`), or a convolution (``conv`` true)
-    without the arch's tensor-core instruction (HGMMA on sm_90+, HMMA below), without async copies, or
+    without the arch's tensor-core instruction (HGMMA on sm_90+ — HMMA where every dot has fewer rows
+    than wgmma takes, :func:`_narrow_mma_sync` —, HMMA below), without async copies, or
     with scalar 16-bit operand loads (:func:`_operand_load_problems`). Empty: all pass."""
     problems = []
     for e in entries:
@@ -56,7 +66,7 @@ def check_entries(entries: Sequence[dict]) -> list[str]:
             limit = SMEM_LIMIT.get(arch)
             if limit and e.get("shared_bytes", 0) > limit:
                 why.append(f"{e['shared_bytes']} bytes of shared memory > {limit} (would not launch)")
-            if e.get("conv") and not e.get("mma"):
+            if e.get("conv") and not e.get("mma") and not _narrow_mma_sync(e, arch):
                 op = "HGMMA" if arch >= 90 else "HMMA"
                 why.append(f"no {op} (tensor-core ops found: {e.get('mma_by_op') or 'none'})")
             if e.get("conv"):

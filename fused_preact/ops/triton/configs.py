@@ -180,33 +180,42 @@ def _wide_wgrad_rows(arch: int, dtype: torch.dtype, x32: bool, strided: bool, Kg
 
 
 def _narrow_wgrad(arch: int, Cg: int) -> bool:
-    """Whether wgrad tiles of an sm_80-class GPU (``arch`` 80–89) fit ``Cg`` ≤ 32 input channels per
-    group in BLOCK_N (their MMA's M): mma.sync takes 16 rows at a time, where sm_90's wgmma takes 64
-    per warpgroup, so a 64-wide tile over 16 channels multiplies three quarters zeros
-    (``tools/static_report/utilization.py``)."""
-    return 80 <= arch < 90 and Cg <= 32
+    """Whether wgrad tiles fit ``Cg`` ≤ 32 input channels per group in BLOCK_N (their MMA's M) on an
+    sm_80 or later GPU (``arch`` ≥ 80): such a tile's dot runs on mma.sync, which takes 16 rows at a
+    time, where sm_90's wgmma takes 64 per warpgroup — a 64-wide tile over 16 channels multiplies
+    three quarters zeros (``tools/static_report/utilization.py``). On sm_90 the narrow tiles give up
+    wgmma's rate: Hopper's mma.sync rate is not published, and they take less time than the wgmma
+    tiles unless it is below a quarter of wgmma's (16 channels; a half with 32). The wgmma tiles
+    stay autotune candidates there (:func:`candidates`), so a GPU's measurement decides."""
+    return 80 <= arch and Cg <= 32
 
 
 def _narrow_wgrad_tiles(Kg: int, Cg: int, dtype: torch.dtype, arch: int, x32: bool) -> list[GemmConfig]:
     """The wgrad tiles :func:`_narrow_wgrad` allows, the default first: BLOCK_N the input channels (16
-    or 32), BLOCK_M up to four pieces of them (the kernel's limit) and at most 128 output channels.
-    One output-channel piece (BLOCK_M ≤ BLOCK_N) runs two row blocks of 2048 / BLOCK_N rows per
-    iteration (:func:`wgrad_unroll`; 32×32×128 unrolled spills in a 3×3 at the 128 registers ptxas
-    gives it; rolled, 256 or 512 rows take 1.3–2.0); several pieces run 128 rows (≤ 80 KiB of shared
-    memory in 3 stages, so sm_86/89's 99 KiB hold it too; bf16's 256 and 512 rows, up to 160 KiB, are
-    candidates; fp16's spill with 16 channels). Static, sm_80, PreActResNet-164 (issue ratio; MMA
-    utilization 0.25 → 1 with 16 channels, 0.5 → 1 with 32): 3×3 16→16 1.80 → 1.08, 1×1 16→16
-    1.12 → 0.96, 1×1 16→64 0.61 → 0.47, 3×3 32→32 1.08 → 0.80 (stride 2: 1.17 → 0.85), 1×1 32→128
-    0.39 → 0.33."""
+    or 32), BLOCK_M up to four pieces of them (the kernel's limit) and at most 128 output channels,
+    in BLOCK_N / 16 warps: Triton puts every warp of a loop with several dots along M (its mma.sync
+    layout, ``warpsPerTileV2``), so 4 warps over a 16-row dot computed each result four times (over
+    32 rows, twice: the static report's ``mma_replication``). One output-channel piece (BLOCK_M ≤
+    BLOCK_N) runs two row blocks of 128 rows per iteration (:func:`wgrad_unroll`); several pieces run
+    128 rows (≤ 80 KiB of shared memory in 3 stages, so sm_86/89's 99 KiB hold it too; bf16's 256 and,
+    with 16 channels, 512 rows are candidates — 512 spills with 32 — fp16's spill with 16 channels),
+    fp32 activations (``x32``) 256. Two stages on sm_90 (with 4 warps, fp16's 64×16×128 spilled in 3). Static, PreActResNet-164,
+    bf16 (issue ratio, MMA utilization → issue ratio, utilization 1; the useful bound is the second
+    ratio): sm_80 3×3 16→16 1.08 at 0.25 (four warps per result) → 1.79, 3×3 32→32 0.80 at 0.5 →
+    1.00, its stride 2 0.85 at 0.5 → 1.08, projection beside the 1×1 16→64 0.47 at 0.25 → 0.54; sm_90
+    (the wgmma tiles before, over 64 input channels) 3×3 16→16 3.56 at 0.25 → 3.51, 3×3 32→32 1.94 at
+    0.5 → 1.99, the projection 0.66 at 0.25 → 1.03."""
     bn = p2(Cg, 16, 32)
     bm = min(p2(Kg, 16, 128), 4 * bn)
     if bm <= bn:
-        rows = [2048 // bn]
+        rows = [128]
     else:
-        rows = [128, 256, 512] if dtype == torch.bfloat16 else [128]
+        rows = ([128, 256] if bn > 16 else [128, 256, 512]) if dtype == torch.bfloat16 else [128]
+        if x32:
+            rows = [256]
     out = []
     for r in rows:
-        cfg = wgrad_unroll(GemmConfig(bm, bn, r, 4, 2 if r >= 512 else 3), dtype, arch, x32)
+        cfg = wgrad_unroll(GemmConfig(bm, bn, r, bn // 16, 2 if r >= 512 or arch >= 90 else 3), dtype, arch, x32)
         if cfg not in out:
             out.append(cfg)
     return out
@@ -223,7 +232,7 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x3
     64→64 on sm_90: 1.22 with 64 rows, 1.03 with 128, 0.96 with 256 in 2 stages). 256 rows where
     :func:`_wide_wgrad_rows` allows them (``arch``: compute capability as 10·major + minor, 0 unknown;
     ``x32``: the activations are fp32 under a 16-bit ``dtype``; ``strided``: a conv stride > 1), else 128.
-    On sm_80-class GPUs ≤ 32 input channels per group take tiles fitted to them
+    On sm_80 and later GPUs ≤ 32 input channels per group take tiles fitted to them
     (:func:`_narrow_wgrad_tiles`).
     """
     if interpreting():  # the kernel holds at most 4 pieces of output channels: BLOCK_M ≤ 4·BLOCK_N
@@ -280,8 +289,8 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int 
     or wgrad; for wgrad m is the output channels, n the input channels, k the rows): blocks clamped to
     the problem (powers of two ≥ 16), duplicates removed. ``arch``: as :func:`fprop_unroll` and
     :func:`wgrad_config`; ``x32``, ``strided``: as :func:`wgrad_config` (its 256-row tiles);
-    ``slots``: dgrad's taps per step, :func:`dgrad_slots`. wgrad on sm_80 over ≤ 32 input channels
-    also takes tiles fitted to them (:func:`_narrow_wgrad`)."""
+    ``slots``: dgrad's taps per step, :func:`dgrad_slots`. wgrad on sm_80 and later over ≤ 32 input
+    channels also takes tiles fitted to them (:func:`_narrow_wgrad`)."""
     half = 2 if dtype == torch.float32 else 1
     space = {"fprop": _FPROP_SPACE, "dgrad": _DGRAD_SPACE, "wgrad": _WGRAD_SPACE}[kind]
     if kind == "wgrad" and m <= 64 and _wide_wgrad_rows(arch, dtype, x32, strided, m):
