@@ -161,6 +161,28 @@ def test_wgrad_rows_follow_the_arch(monkeypatch):
     assert rows(torch.float32, arch=90) == [128, 128]  # autocast: the first conv reads fp32
 
 
+def test_narrow_fprop_rows(monkeypatch):
+    """fprop over ≤ 16 output and input channels per group takes 256-row tiles on sm_90 and 512-row
+    ones on sm_80-class GPUs (unrolled, as every 16-deep step), as default and among the candidates,
+    where the pixels fill 8 of them; wider layers, fewer pixels, fp32 and an unknown arch keep theirs."""
+    from fused_preact.ops.triton import configs
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    M = 128 * 32 * 32
+    for arch, rows in ((90, 256), (80, 512), (86, 512)):
+        for dtype in (torch.bfloat16, torch.float16):
+            cfg = configs.fprop_config(M, 16, 16, dtype, True, arch=arch)
+            assert cfg == GemmConfig(rows, 16, 16, 4, 3, unroll=2), (arch, cfg)
+            assert cfg in candidates("fprop", M, 16, 16, dtype, arch=arch)
+            assert configs.fprop_config(8 * rows, 16, 16, dtype, False, arch=arch).BLOCK_M == rows
+            assert configs.fprop_config(8 * rows - 1, 16, 16, dtype, False, arch=arch).BLOCK_M == 128
+            for kg, cg in ((32, 16), (16, 32), (64, 64)):
+                assert configs.fprop_config(M, kg, cg, dtype, False, arch=arch).BLOCK_M <= 128
+                assert all(c.BLOCK_M <= 128 for c in candidates("fprop", M, kg, cg, dtype, arch=arch))
+        assert configs.fprop_config(M, 16, 16, torch.float32, False, arch=arch).BLOCK_M == 64
+    assert configs.fprop_config(M, 16, 16, torch.bfloat16, False, arch=0).BLOCK_M == 128
+
+
 def test_fprop_unrolls_where_the_arch_allows(monkeypatch):
     """fprop's main loop runs unrolled twice (two accumulators) in 16-bit compute on sm_90 for output
     tiles of at most 64×64 or 16-deep steps (a second 128×64 or 64×128 accumulator spills), on sm_80

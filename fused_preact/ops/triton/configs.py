@@ -110,8 +110,9 @@ def fprop_config(M: int, Kg: int, Cg: int, dtype: torch.dtype, stats: bool, arch
 
     16-bit: one warpgroup (4 warps; with 8, Triton's loop has a third barrier per iteration) and 128
     MMA rows per warpgroup where the output channels are few: 128×64 tiles up to Kg = 64, 64×128 from
-    Kg = 128 (64×256 sits at the 255-register limit and spills); 64-row tiles for M < 1024. fp32
-    operands (TF32 MMA) need twice the registers: 64×64 tiles."""
+    Kg = 128 (64×256 sits at the 255-register limit and spills); 64-row tiles for M < 1024; ≤ 16
+    input and output channels per group more rows (:func:`_narrow_fprop_rows`). fp32 operands (TF32
+    MMA) need twice the registers: 64×64 tiles."""
     if interpreting():
         return GemmConfig(p2(M, 16, INTERP_SUM_ROWS if stats else 4096), p2(Kg, 16, 256), p2(Cg, 16, 256))
     if dtype == torch.float32:
@@ -119,7 +120,23 @@ def fprop_config(M: int, Kg: int, Cg: int, dtype: torch.dtype, stats: bool, arch
     block_n = 128 if Kg >= 128 else p2(Kg, 16, 64)
     block_m = 64 if block_n == 128 or M < 8 * 128 else 128
     block_k = p2(Cg, 16, 64)
+    block_m = _narrow_fprop_rows(M, Kg, Cg, arch) or block_m
     return fprop_unroll(GemmConfig(block_m, block_n, block_k, 4, 3 if block_k == 64 else 4), dtype, arch)
+
+
+def _narrow_fprop_rows(M: int, Kg: int, Cg: int, arch: int) -> int:
+    """Rows of a 16-bit fprop tile over ≤ 16 output and input channels per group (``Kg``, ``Cg``; 0: the
+    usual rows), where M = N·P·Q output pixels fill 8 such tiles: 256 (512 on sm_80-class GPUs, ``arch``
+    80–89). A step of such a tile is one 16-deep MMA per 64 rows (8 tensor clocks on sm_90), and each
+    step's fixed costs — its addresses, the barrier, the wgmma fences, the pipeline's counters — spread
+    over more rows of the per-element transform: static issue ratio, PreActResNet-164's 3×3 16→16 (bf16)
+    on sm_90 6.28 with 128 rows → 4.56 with 256 (512 spills there, 3.9–4.2), on sm_80 2.61 → 2.27 → 2.02
+    with 512; its roofline (HBM traffic at the published peaks, ``tools/static_report/utilization.py``)
+    is 4.10 and 2.13."""
+    if Kg > 16 or Cg > 16 or arch < 80:
+        return 0
+    rows = 512 if arch < 90 else 256
+    return rows if M >= 8 * rows else 0
 
 
 def dgrad_slots(g: ConvGeom, Kg: int, dtype: torch.dtype) -> int:
@@ -290,7 +307,8 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int 
     the problem (powers of two ≥ 16), duplicates removed. ``arch``: as :func:`fprop_unroll` and
     :func:`wgrad_config`; ``x32``, ``strided``: as :func:`wgrad_config` (its 256-row tiles);
     ``slots``: dgrad's taps per step, :func:`dgrad_slots`. wgrad on sm_80 and later over ≤ 32 input
-    channels also takes tiles fitted to them (:func:`_narrow_wgrad`)."""
+    channels also takes tiles fitted to them (:func:`_narrow_wgrad`), fprop over ≤ 16 channels more
+    rows (:func:`_narrow_fprop_rows`)."""
     half = 2 if dtype == torch.float32 else 1
     space = {"fprop": _FPROP_SPACE, "dgrad": _DGRAD_SPACE, "wgrad": _WGRAD_SPACE}[kind]
     if kind == "wgrad" and m <= 64 and _wide_wgrad_rows(arch, dtype, x32, strided, m):
@@ -321,6 +339,10 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int 
             out.append(cfg)
     if kind == "wgrad" and half == 1 and _narrow_wgrad(arch, n):
         out += [cfg for cfg in _narrow_wgrad_tiles(m, n, dtype, arch, x32) if cfg not in out]
+    rows = _narrow_fprop_rows(m, n, k, arch) if kind == "fprop" and half == 1 else 0
+    if rows:
+        cfg = fprop_unroll(GemmConfig(rows, 16, 16, 4, 4), dtype, arch)
+        out += [cfg] if cfg not in out else []
     return out
 
 
