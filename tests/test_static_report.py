@@ -304,15 +304,20 @@ def test_check_rules_and_table():
 
 
 def test_check_accepts_mma_sync_only_where_wgmma_cannot_run():
-    """On sm_90 a convolution on HMMA passes only where every dot has fewer rows than wgmma's 64 (the
-    narrow wgrad tiles, ``_narrow_mma_sync``); a 64-row dot on HMMA, a compilation without dot records
-    and sm_80's HMMA are judged as before."""
+    """On sm_90 a convolution on HMMA passes only as a narrow wgrad tile (wgrad or wgrad_proj, BLOCK_N ≤
+    32) whose dots all have fewer rows than wgmma's 64 (``_narrow_mma_sync``); a 64-row dot, another
+    kernel, a wider BLOCK_N, unread dots or no dot records fail; sm_80's HMMA is judged as before."""
     dot = lambda rows, op="tt.dot": {"op": op, "shape": [rows, 16], "warps": [1, 1], "instr": [16, 8], "replication": 1.0}
-    hmma = dict(kernel="wgrad", mma=0, mma_by_op={"HMMA": 32})
-    assert limits.check_entries([_entry(**hmma, mma_dots=[dot(16)]), _entry(**hmma, mma_dots=[dot(32), dot(16)])]) == []
+    hmma = dict(kernel="wgrad", mma=0, mma_by_op={"HMMA": 32}, constexprs={"BLOCK_N": "16"})
+    assert limits.check_entries([_entry(**hmma, mma_dots=[dot(16)]), _entry(**hmma, mma_dots=[dot(32), dot(16)]),
+                                 _entry(**dict(hmma, kernel="wgrad_proj", constexprs={"BLOCK_N": "32"}),
+                                        mma_dots=[dot(32)])]) == []
     bad = limits.check_entries([_entry(**hmma, mma_dots=[dot(64)]), _entry(**hmma, mma_dots=[dot(16), dot(64)]),
-                                _entry(**hmma), _entry(**hmma, mma_dots=[dot(16, "ttng.warp_group_dot")])])
-    assert len(bad) == 4 and all("no HGMMA" in b for b in bad)
+                                _entry(**hmma), _entry(**hmma, mma_dots=[dot(16, "ttng.warp_group_dot")]),
+                                _entry(**dict(hmma, kernel="fprop"), mma_dots=[dot(16)]),
+                                _entry(**dict(hmma, constexprs={"BLOCK_N": "64"}), mma_dots=[dot(16)]),
+                                _entry(**hmma, mma_dots=[dot(16)], mma_dots_unparsed=1)])
+    assert len(bad) == 7 and all("no HGMMA" in b for b in bad)
     assert limits.check_entries([_entry(arch="sm_80", mma=32, mma_by_op={"HMMA": 32})]) == []
 
 

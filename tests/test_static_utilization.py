@@ -68,11 +68,21 @@ _WGMMA = ("      %acc_63 = ttng.warp_group_dot %a_61, %b_62, %acc_48 {{inputPrec
     ([_V3, _WGMMA.format(m=128, n=64)], [([128, 64], [4, 1], 1.0)], 1.0),
     ([_V3.replace("64, 16]", "16, 16]"), _WGMMA.format(m=64, n=16)], [([64, 16], [4, 1], 1.0)], 1.0),
     (["module {}"], [], 1.0),
+    # a batched dot: the last two dimensions and warps
+    (["#mma3 = #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, warpsPerCTA = [1, 4, 1], instrShape = [16, 8]}>",
+      _DOT.format(m=16, n=16, lay="#mma3").replace("-> tensor<16x16xf32", "-> tensor<2x16x16xf32")],
+     [([16, 16], [4, 1], 4.0)], 4.0),
 ])
 def test_dot_replication(lines, dots, rep):
     got = dot_replication("\n".join(lines))
     assert [(d["shape"], d["warps"], d["replication"]) for d in got["dots"]] == dots
-    assert got["replication"] == rep
+    assert got["replication"] == rep and got["unparsed"] == 0
+
+
+def test_dot_replication_counts_dots_it_cannot_read():
+    inline = _DOT.format(m=16, n=16, lay="#mma9")  # no alias for #mma9
+    got = dot_replication("\n".join([_V2_4x1, inline, _DOT.format(m=16, n=16, lay="#mma")]))
+    assert got["unparsed"] == 1 and got["replication"] == 4.0
 
 
 def test_useful_bound():

@@ -163,8 +163,9 @@ def test_wgrad_rows_follow_the_arch(monkeypatch):
 
 def test_narrow_fprop_rows(monkeypatch):
     """fprop over ≤ 16 output and input channels per group takes 256-row tiles on sm_90 and 512-row
-    ones on sm_80-class GPUs (unrolled, as every 16-deep step), as default and among the candidates,
-    where the pixels fill 8 of them; wider layers, fewer pixels, fp32 and an unknown arch keep theirs."""
+    ones on sm_80-class GPUs (256 there too for a chain reading fp32 activations; unrolled, as every
+    16-deep step), as default and among the candidates, where the pixels fill 8 of them; wider
+    layers, fewer pixels, fp32 and an unknown arch keep theirs."""
     from fused_preact.ops.triton import configs
 
     monkeypatch.setattr(configs, "interpreting", lambda: False)
@@ -180,6 +181,9 @@ def test_narrow_fprop_rows(monkeypatch):
                 assert configs.fprop_config(M, kg, cg, dtype, False, arch=arch).BLOCK_M <= 128
                 assert all(c.BLOCK_M <= 128 for c in candidates("fprop", M, kg, cg, dtype, arch=arch))
         assert configs.fprop_config(M, 16, 16, torch.float32, False, arch=arch).BLOCK_M == 64
+        # fp32 activations under 16-bit compute (autocast): 256 rows (512 spill on sm_80)
+        assert configs.fprop_config(M, 16, 16, torch.bfloat16, True, arch=arch, x32=True).BLOCK_M == 256
+        assert GemmConfig(256, 16, 16, 4, 3, unroll=2) in candidates("fprop", M, 16, 16, torch.bfloat16, arch=arch, x32=True)
     assert configs.fprop_config(M, 16, 16, torch.bfloat16, False, arch=0).BLOCK_M == 128
 
 
@@ -229,6 +233,13 @@ def test_narrow_wgrad_tiles(monkeypatch):
         assert wgrad_config(64, 16, big, torch.bfloat16, arch=arch) == GemmConfig(64, 16, 128, 1, st)
         assert wgrad_config(64, 16, big, torch.float16, arch=arch) == GemmConfig(64, 16, 128, 1, st)
         assert wgrad_config(64, 16, big, torch.bfloat16, arch=arch, x32=True) == GemmConfig(64, 16, 256, 1, st)
+        assert wgrad_config(128, 32, big, torch.bfloat16, arch=arch, x32=True) == GemmConfig(128, 32, 128, 2, st)
+        # strided: 128 rows (256 a bf16 candidate over 16 channels), with fp32 activations 64
+        assert wgrad_config(32, 16, big, torch.bfloat16, arch=arch, strided=True) == GemmConfig(32, 16, 128, 1, st)
+        assert GemmConfig(32, 16, 256, 1, st) in candidates("wgrad", 32, 16, big, torch.bfloat16, arch=arch, strided=True)
+        assert [c for c in candidates("wgrad", 64, 32, big, torch.bfloat16, arch=arch, strided=True) if c.BLOCK_N == 32] == [
+            GemmConfig(64, 32, 128, 2, st)]
+        assert wgrad_config(32, 16, big, torch.bfloat16, arch=arch, x32=True, strided=True) == GemmConfig(32, 16, 64, 1, st)
         assert wgrad_config(256, 32, big, torch.bfloat16, arch=arch) == GemmConfig(128, 32, 128, 2, st)
         assert wgrad_config(24, 24, big, torch.bfloat16, arch=arch) == GemmConfig(32, 32, 128, 2, 2, unroll=2)
         cands = candidates("wgrad", 64, 16, big, torch.bfloat16, arch=arch)

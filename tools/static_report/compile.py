@@ -51,7 +51,7 @@ from tools.static_report.utilization import dot_replication, memory_ratio, mma_u
 __all__ = ["specialize", "triton_entries", "csrc_entries", "import_attr", "PARSER_VERSION"]
 
 #: Bumped when the metrics read from a cubin change (invalidates the metrics cache).
-PARSER_VERSION = 4
+PARSER_VERSION = 5
 _POOL_MIN = 8
 
 
@@ -170,8 +170,9 @@ def _resolve(module: str, qualname: str, cache_key: str):
 
 def _compile_task(task: dict) -> dict:
     """Compile one specialization (in a worker process) and read its cubin. Returns the metrics of
-    its single function, ``shared_bytes`` including Triton's dynamic shared memory, ``mma_dots`` and
-    ``mma_replication`` (:func:`~tools.static_report.utilization.dot_replication` of its TTGIR),
+    its single function, ``shared_bytes`` including Triton's dynamic shared memory, ``mma_dots``,
+    ``mma_replication`` and ``mma_dots_unparsed`` (:func:`~tools.static_report.utilization.dot_replication`
+    of its TTGIR),
     ``compile_s``; or ``{"error": …}``."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -192,7 +193,7 @@ def _compile_task(task: dict) -> dict:
     m["static_shared_bytes"] = m["shared_bytes"]
     m["shared_bytes"] += int(k.metadata.shared)
     rep = dot_replication(k.asm["ttgir"])
-    m["mma_dots"], m["mma_replication"] = rep["dots"], rep["replication"]
+    m["mma_dots"], m["mma_replication"], m["mma_dots_unparsed"] = rep["dots"], rep["replication"], rep["unparsed"]
     m["compile_s"] = round(time.perf_counter() - t0, 2)
     return m
 

@@ -40,19 +40,23 @@ def _operand_load_problems(e: dict) -> list[str]:
 
 
 def _narrow_mma_sync(e: dict, arch: int) -> bool:
-    """Whether a compilation for sm_90+ uses mma.sync (HMMA) because no dot of it can take wgmma: every
-    dot (``mma_dots``) has fewer than 64 result rows, wgmma's least M (64 per warpgroup) — the narrow
-    wgrad tiles of ``configs._narrow_wgrad_tiles``. A dot of 64 rows or more on HMMA still fails."""
+    """Whether a compilation for sm_90+ is one of the narrow wgrad tiles (``configs._narrow_wgrad_tiles``:
+    a ``wgrad``/``wgrad_proj`` kernel with BLOCK_N ≤ 32) that uses mma.sync (HMMA) because no dot of it
+    can take wgmma: every dot (``mma_dots``, all of them read) has fewer than 64 result rows, wgmma's
+    least M (64 per warpgroup). Any other convolution on HMMA still fails."""
     dots = e.get("mma_dots") or []
-    return (arch >= 90 and bool(e.get("mma_by_op", {}).get("HMMA")) and bool(dots)
+    block_n = int(str((e.get("constexprs") or {}).get("BLOCK_N", "0")) or 0)
+    return (arch >= 90 and e.get("kernel") in ("wgrad", "wgrad_proj") and 0 < block_n <= 32
+            and bool(e.get("mma_by_op", {}).get("HMMA")) and bool(dots) and not e.get("mma_dots_unparsed")
             and all(d["op"] == "tt.dot" and d["shape"][0] < 64 for d in dots))
 
 
 def check_entries(entries: Sequence[dict]) -> list[str]:
     """Why each failing entry fails ``--check``: compile error, stack_bytes > 0 (spills), shared
     memory over the arch's per-block limit (:data:`SMEM_LIMIT`), or a convolution (``conv`` true)
-    without the arch's tensor-core instruction (HGMMA on sm_90+ — HMMA where every dot has fewer rows
-    than wgmma takes, :func:`_narrow_mma_sync` —, HMMA below), without async copies, or
+    without the arch's tensor-core instruction (HGMMA on sm_90+ — HMMA in a narrow wgrad tile whose
+    dots all have fewer rows than wgmma takes, :func:`_narrow_mma_sync` —, HMMA below), without async
+    copies, or
     with scalar 16-bit operand loads (:func:`_operand_load_problems`). Empty: all pass."""
     problems = []
     for e in entries:

@@ -15,8 +15,8 @@ rows, a 3×3 wgrad's border rows whose tap falls into the padding) is taken as f
 *replication* (:func:`dot_replication`, read from Triton's TTGIR) divides it further: where a dot's
 result is smaller than the tile its warps' MMA layout covers, several warps compute the same
 elements — Triton's mma.sync layouts (``warpsPerTileV2``) place warps beyond a result's 16×8 blocks
-along M, and in a loop with several dots every warp along M, so a 16×16 accumulator in 4 warps is
-computed 4 times.
+alike, and in a loop with several dots all of them along its larger dimension (M on a tie), so a
+16×16 accumulator in 4 warps is computed 4 times (twice as a loop's only dot).
 
 The *roofline excess* sets the useful bound against the memory traffic the launch cannot avoid:
 ``memory ratio`` m = (compulsory bytes / memory bandwidth) / (real MACs / tensor-core MAC rate), the
@@ -93,7 +93,7 @@ def mma_utilization(kernel: str, kw: Mapping) -> Optional[float]:
 
 
 _MMA_ALIAS = re.compile(r"^(#[\w.]+) = (#ttg\.nvidia_mma<\{[^}]*\}>)", re.M)
-_DOT = re.compile(r"= (tt\.dot|ttng\.warp_group_dot) .*?-> tensor<(\d+)x(\d+)x\w+, (#[\w.]+)>")
+_DOT = re.compile(r"= (tt\.dot|ttng\.warp_group_dot) .*?-> tensor<((?:\d+x)+)\w+, (#[\w.]+)")
 
 
 def dot_replication(ttgir: str) -> dict:
@@ -101,26 +101,31 @@ def dot_replication(ttgir: str) -> dict:
     each of their elements.
 
     A dot ``tt.dot`` (mma.sync, ``versionMajor = 2``) or ``ttng.warp_group_dot`` (wgmma, 3) with an
-    ``M × N`` result in an ``#ttg.nvidia_mma`` layout of ``warpsPerCTA = [wm, wn]`` and
-    ``instrShape = [16, n, …]`` covers ``wm·16`` rows and ``wn·n`` columns per repetition (16 rows per
-    warp for both versions: a wgmma warpgroup is 4 warps of 16 rows); a result smaller than that is
-    held, and multiplied, by ``wm·16/M`` (``wn·n/N``) warps alike. Returns ``{"dots": [{"op", "shape",
-    "warps", "instr", "replication"}, …] (one per distinct dot), "replication": the largest}``; 1 when
-    the TTGIR has no such dot."""
+    ``M × N`` result (the last two dimensions) in an ``#ttg.nvidia_mma`` layout of ``warpsPerCTA = […,
+    wm, wn]`` and ``instrShape = [16, n, …]`` covers ``wm·16`` rows and ``wn·n`` columns per repetition
+    (16 rows per warp for both versions: a wgmma warpgroup is 4 warps of 16 rows); a result smaller
+    than that is held, and multiplied, by ``wm·16/M`` (``wn·n/N``) warps alike. Returns ``{"dots":
+    [{"op", "shape", "warps", "instr", "replication"}, …] (one per distinct dot), "replication": the
+    largest (1 without dots), "unparsed": dots whose layout was not read}`` (a layout written inline
+    rather than as an alias; Triton 3.9 writes aliases)."""
     layouts = dict(_MMA_ALIAS.findall(ttgir))
-    dots = []
+    dots, unparsed = [], 0
     for m in _DOT.finditer(ttgir):
-        M, N, lay = int(m.group(2)), int(m.group(3)), layouts.get(m.group(4), m.group(4))
-        w = re.search(r"warpsPerCTA = \[(\d+), (\d+)\]", lay)
+        dims = [int(v) for v in m.group(2).rstrip("x").split("x")]
+        lay = layouts.get(m.group(3), "")
+        w = re.search(r"warpsPerCTA = \[([\d, ]+)\]", lay)
         i = re.search(r"instrShape = \[(\d+), (\d+)", lay)
-        if not w or not i:
+        if len(dims) < 2 or not w or not i:
+            unparsed += 1
             continue
-        wm, wn, n = int(w.group(1)), int(w.group(2)), int(i.group(2))
+        M, N = dims[-2:]
+        wm, wn = (int(v) for v in w.group(1).split(",")[-2:])
+        n = int(i.group(2))
         rep = max(1.0, wm * 16 / M) * max(1.0, wn * n / N)
         d = {"op": m.group(1), "shape": [M, N], "warps": [wm, wn], "instr": [int(i.group(1)), n], "replication": rep}
         if d not in dots:
             dots.append(d)
-    return {"dots": dots, "replication": max([d["replication"] for d in dots], default=1.0)}
+    return {"dots": dots, "replication": max([d["replication"] for d in dots], default=1.0), "unparsed": unparsed}
 
 
 def memory_ratio(kernel: str, kw: Mapping, nbytes: Mapping[str, int], arch: str) -> Optional[float]:

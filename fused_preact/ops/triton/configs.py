@@ -105,14 +105,16 @@ def quad_channels(x_dtype: torch.dtype, cdtype: torch.dtype, Cg: int) -> bool:
     return x_dtype == torch.float32 and cdtype != torch.float32 and Cg % 16 == 0 and Cg > 16
 
 
-def fprop_config(M: int, Kg: int, Cg: int, dtype: torch.dtype, stats: bool, arch: int = 0) -> GemmConfig:
+def fprop_config(M: int, Kg: int, Cg: int, dtype: torch.dtype, stats: bool, arch: int = 0,
+                 x32: bool = False) -> GemmConfig:
     """Default fprop tiles for an (M × Cg·R·S)·(… × Kg) implicit GEMM (M = N·P·Q output pixels).
 
     16-bit: one warpgroup (4 warps; with 8, Triton's loop has a third barrier per iteration) and 128
     MMA rows per warpgroup where the output channels are few: 128×64 tiles up to Kg = 64, 64×128 from
     Kg = 128 (64×256 sits at the 255-register limit and spills); 64-row tiles for M < 1024; ≤ 16
-    input and output channels per group more rows (:func:`_narrow_fprop_rows`). fp32 operands (TF32
-    MMA) need twice the registers: 64×64 tiles."""
+    input and output channels per group more rows (:func:`_narrow_fprop_rows`; ``x32``: the chain
+    reads fp32 activations under 16-bit compute). fp32 operands (TF32 MMA) need twice the registers:
+    64×64 tiles."""
     if interpreting():
         return GemmConfig(p2(M, 16, INTERP_SUM_ROWS if stats else 4096), p2(Kg, 16, 256), p2(Cg, 16, 256))
     if dtype == torch.float32:
@@ -120,14 +122,15 @@ def fprop_config(M: int, Kg: int, Cg: int, dtype: torch.dtype, stats: bool, arch
     block_n = 128 if Kg >= 128 else p2(Kg, 16, 64)
     block_m = 64 if block_n == 128 or M < 8 * 128 else 128
     block_k = p2(Cg, 16, 64)
-    block_m = _narrow_fprop_rows(M, Kg, Cg, arch) or block_m
+    block_m = _narrow_fprop_rows(M, Kg, Cg, arch, x32) or block_m
     return fprop_unroll(GemmConfig(block_m, block_n, block_k, 4, 3 if block_k == 64 else 4), dtype, arch)
 
 
-def _narrow_fprop_rows(M: int, Kg: int, Cg: int, arch: int) -> int:
+def _narrow_fprop_rows(M: int, Kg: int, Cg: int, arch: int, x32: bool = False) -> int:
     """Rows of a 16-bit fprop tile over ≤ 16 output and input channels per group (``Kg``, ``Cg``; 0: the
     usual rows), where M = N·P·Q output pixels fill 8 such tiles: 256 (512 on sm_80-class GPUs, ``arch``
-    80–89). A step of such a tile is one 16-deep MMA per 64 rows (8 tensor clocks on sm_90), and each
+    80–89, unless ``x32``: a chain reading fp32 activations — an fp32 x or residual tile spills there,
+    and needs 146 KiB of shared memory). A step of such a tile is one 16-deep MMA per 64 rows (8 tensor clocks on sm_90), and each
     step's fixed costs — its addresses, the barrier, the wgmma fences, the pipeline's counters — spread
     over more rows of the per-element transform: static issue ratio, PreActResNet-164's 3×3 16→16 (bf16)
     on sm_90 6.28 with 128 rows → 4.56 with 256 (512 spills there, 3.9–4.2), on sm_80 2.61 → 2.27 → 2.02
@@ -135,7 +138,7 @@ def _narrow_fprop_rows(M: int, Kg: int, Cg: int, arch: int) -> int:
     is 4.10 and 2.13."""
     if Kg > 16 or Cg > 16 or arch < 80:
         return 0
-    rows = 512 if arch < 90 else 256
+    rows = 512 if arch < 90 and not x32 else 256
     return rows if M >= 8 * rows else 0
 
 
@@ -207,29 +210,35 @@ def _narrow_wgrad(arch: int, Cg: int) -> bool:
     return 80 <= arch and Cg <= 32
 
 
-def _narrow_wgrad_tiles(Kg: int, Cg: int, dtype: torch.dtype, arch: int, x32: bool) -> list[GemmConfig]:
-    """The wgrad tiles :func:`_narrow_wgrad` allows, the default first: BLOCK_N the input channels (16
-    or 32), BLOCK_M up to four pieces of them (the kernel's limit) and at most 128 output channels,
-    in BLOCK_N / 16 warps: Triton puts every warp of a loop with several dots along M (its mma.sync
-    layout, ``warpsPerTileV2``), so 4 warps over a 16-row dot computed each result four times (over
-    32 rows, twice: the static report's ``mma_replication``). One output-channel piece (BLOCK_M ≤
-    BLOCK_N) runs two row blocks of 128 rows per iteration (:func:`wgrad_unroll`); several pieces run
-    128 rows (≤ 80 KiB of shared memory in 3 stages, so sm_86/89's 99 KiB hold it too; bf16's 256 and,
-    with 16 channels, 512 rows are candidates — 512 spills with 32 — fp16's spill with 16 channels),
-    fp32 activations (``x32``) 256. Two stages on sm_90 (with 4 warps, fp16's 64×16×128 spilled in 3). Static, PreActResNet-164,
-    bf16 (issue ratio, MMA utilization → issue ratio, utilization 1; the useful bound is the second
-    ratio): sm_80 3×3 16→16 1.08 at 0.25 (four warps per result) → 1.79, 3×3 32→32 0.80 at 0.5 →
-    1.00, its stride 2 0.85 at 0.5 → 1.08, projection beside the 1×1 16→64 0.47 at 0.25 → 0.54; sm_90
-    (the wgmma tiles before, over 64 input channels) 3×3 16→16 3.56 at 0.25 → 3.51, 3×3 32→32 1.94 at
-    0.5 → 1.99, the projection 0.66 at 0.25 → 1.03."""
+def _narrow_wgrad_tiles(Kg: int, Cg: int, dtype: torch.dtype, arch: int, x32: bool,
+                        strided: bool = False) -> list[GemmConfig]:
+    """The wgrad tiles :func:`_narrow_wgrad` allows, the default first: BLOCK_N the input channels (16 or
+    32), BLOCK_M up to four pieces of them (the kernel's limit) and at most 128 output channels, in
+    BLOCK_N / 16 warps: Triton puts every warp of a loop with several dots along the larger dimension of
+    their result, M on a tie (its mma.sync layout, ``warpsPerTileV2``), so 4 warps over a 16×16 dot
+    computed each result four times (32×32: twice; the static report's ``mma_replication``). One
+    output-channel piece (BLOCK_M ≤ BLOCK_N) runs two row blocks of 128 rows per iteration
+    (:func:`wgrad_unroll`); several pieces run 128 rows (≤ 96 KiB of shared memory in 3 stages, so
+    sm_86/89's 99 KiB hold it too; bf16's 256 and, with 16 channels, 512 rows are candidates — 512
+    spills with 32 — fp16's spilled with 16 channels in 4 warps), fp32 activations (``x32``) 256 over 16
+    channels (over 32 they exceed shared memory); a strided conv (``strided``) 128 (bf16's 256 with 16
+    channels a candidate), with fp32 activations 64 (more spill in a strided 3×3). Two stages on sm_90
+    (with 4 warps, fp16's 64×16×128 spilled in 3). Static, PreActResNet-164, bf16 (issue ratio, MMA
+    utilization → issue ratio, utilization 1; the useful bound is the second ratio): sm_80 3×3 16→16
+    1.08 at 0.25 (four warps per result) → 1.79, 3×3 32→32 0.80 at 0.5 → 1.00, its stride 2 0.85 at 0.5
+    → 1.08, projection beside the 1×1 16→64 0.47 at 0.25 → 0.54; sm_90 (the wgmma tiles before, over 64
+    input channels) 3×3 16→16 3.56 at 0.25 → 3.51, 3×3 32→32 1.94 at 0.5 → 1.99, the projection 0.66 at
+    0.25 → 1.03."""
     bn = p2(Cg, 16, 32)
     bm = min(p2(Kg, 16, 128), 4 * bn)
     if bm <= bn:
         rows = [128]
     else:
         rows = ([128, 256] if bn > 16 else [128, 256, 512]) if dtype == torch.bfloat16 else [128]
-        if x32:
-            rows = [256]
+        if strided:
+            rows = [128, 256] if bn == 16 and dtype == torch.bfloat16 else [128]
+        if x32:  # fp32 activations: 256 rows over 16 channels (a 32-channel tile exceeds shared memory)
+            rows = [256 if bn == 16 and not strided else 64 if strided else 128]
     out = []
     for r in rows:
         cfg = wgrad_unroll(GemmConfig(bm, bn, r, bn // 16, 2 if r >= 512 or arch >= 90 else 3), dtype, arch, x32)
@@ -259,7 +268,7 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x3
         return GemmConfig(p2(Kg, 16, 64), 64, 32, 4, 4)
     bm = p2(Kg, 16, 128)
     if _narrow_wgrad(arch, Cg):
-        return _narrow_wgrad_tiles(Kg, Cg, dtype, arch, x32)[0]
+        return _narrow_wgrad_tiles(Kg, Cg, dtype, arch, x32, strided)[0]
     if bm <= 64 and _wide_wgrad_rows(arch, dtype, x32, strided, Kg):
         return wgrad_unroll(GemmConfig(bm, 64, 256, 4, 2), dtype, arch, x32)
     return wgrad_unroll(GemmConfig(bm, 64, 128 if bm <= 64 else 64, 4, 3), dtype, arch, x32)
@@ -338,8 +347,8 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int 
         if cfg not in out:
             out.append(cfg)
     if kind == "wgrad" and half == 1 and _narrow_wgrad(arch, n):
-        out += [cfg for cfg in _narrow_wgrad_tiles(m, n, dtype, arch, x32) if cfg not in out]
-    rows = _narrow_fprop_rows(m, n, k, arch) if kind == "fprop" and half == 1 else 0
+        out += [cfg for cfg in _narrow_wgrad_tiles(m, n, dtype, arch, x32, strided) if cfg not in out]
+    rows = _narrow_fprop_rows(m, n, k, arch, x32) if kind == "fprop" and half == 1 else 0
     if rows:
         cfg = fprop_unroll(GemmConfig(rows, 16, 16, 4, 4), dtype, arch)
         out += [cfg] if cfg not in out else []

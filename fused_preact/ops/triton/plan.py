@@ -140,11 +140,14 @@ class TritonPlan:
 
     def tile_args(self, i: int, g: ConvGeom, kind: str = "wgrad") -> dict:
         """The tile rules' arguments (:func:`wgrad_config`, :func:`fprop_config`, ``candidates``) for
-        the ``kind`` kernel of the conv ``g`` reading unit i's input: arch, and for wgrad x32 (fp32
-        activations under 16-bit compute) and strided."""
+        the ``kind`` kernel of the conv ``g`` reading unit i's input: arch; x32: under 16-bit compute
+        the launch reads fp32 activations — unit i's input (the chain's, i = 0) or, for fprop, the
+        residual the last unit adds (assumed of the chain input's dtype); for wgrad strided."""
+        autocast = self.x_dtype == torch.float32 and self.cdtype != torch.float32
         if kind == "fprop":
-            return dict(arch=self.arch)
-        x32 = i == 0 and self.x_dtype == torch.float32 and self.cdtype != torch.float32
+            last_adds = i == len(self.spec.convs) - 1 and self.spec.residual != "none"
+            return dict(arch=self.arch, x32=autocast and (i == 0 or last_adds))
+        x32 = i == 0 and autocast
         return dict(arch=self.arch, x32=x32, strided=g.stride != (1, 1))
 
     def unit_candidates(self, u: UnitPlan, i: int, kind: str) -> list[GemmConfig]:
