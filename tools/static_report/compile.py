@@ -172,8 +172,7 @@ def _compile_task(task: dict) -> dict:
     """Compile one specialization (in a worker process) and read its cubin. Returns the metrics of
     its single function, ``shared_bytes`` including Triton's dynamic shared memory, ``mma_dots``,
     ``mma_replication`` and ``mma_dots_unparsed`` (:func:`~tools.static_report.utilization.dot_replication`
-    of its TTGIR),
-    ``compile_s``; or ``{"error": …}``."""
+    of its TTGIR), ``compile_s``; or ``{"error": …}``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

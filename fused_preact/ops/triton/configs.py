@@ -130,12 +130,12 @@ def _narrow_fprop_rows(M: int, Kg: int, Cg: int, arch: int, x32: bool = False) -
     """Rows of a 16-bit fprop tile over ≤ 16 output and input channels per group (``Kg``, ``Cg``; 0: the
     usual rows), where M = N·P·Q output pixels fill 8 such tiles: 256 (512 on sm_80-class GPUs, ``arch``
     80–89, unless ``x32``: a chain reading fp32 activations — an fp32 x or residual tile spills there,
-    and needs 146 KiB of shared memory). A step of such a tile is one 16-deep MMA per 64 rows (8 tensor clocks on sm_90), and each
-    step's fixed costs — its addresses, the barrier, the wgmma fences, the pipeline's counters — spread
-    over more rows of the per-element transform: static issue ratio, PreActResNet-164's 3×3 16→16 (bf16)
-    on sm_90 6.28 with 128 rows → 4.56 with 256 (512 spills there, 3.9–4.2), on sm_80 2.61 → 2.27 → 2.02
-    with 512; its roofline (HBM traffic at the published peaks, ``tools/static_report/utilization.py``)
-    is 4.10 and 2.13."""
+    and needs 146 KiB of shared memory). A step of such a tile is one 16-deep MMA per 64 rows (8 tensor
+    clocks on sm_90), and each step's fixed costs — its addresses, the barrier, the wgmma fences, the
+    pipeline's counters — spread over more rows of the per-element transform: static issue ratio,
+    PreActResNet-164's 3×3 16→16 (bf16) on sm_90 6.28 with 128 rows → 4.56 with 256 (512 spills there,
+    3.9–4.2), on sm_80 2.61 → 2.27 → 2.02 with 512; its roofline (HBM traffic at the published peaks,
+    ``tools/static_report/utilization.py``) is 4.10 and 2.13."""
     if Kg > 16 or Cg > 16 or arch < 80:
         return 0
     rows = 512 if arch < 90 and not x32 else 256
@@ -231,14 +231,17 @@ def _narrow_wgrad_tiles(Kg: int, Cg: int, dtype: torch.dtype, arch: int, x32: bo
     0.25 → 1.03."""
     bn = p2(Cg, 16, 32)
     bm = min(p2(Kg, 16, 128), 4 * bn)
+    bf16_16 = dtype == torch.bfloat16 and bn == 16
     if bm <= bn:
         rows = [128]
+    elif x32:  # fp32 activations: a 32-channel tile of 256 rows exceeds shared memory
+        rows = [64] if strided else [256] if bn == 16 else [128]
+    elif strided:
+        rows = [128, 256] if bf16_16 else [128]
+    elif dtype == torch.bfloat16:
+        rows = [128, 256, 512] if bn == 16 else [128, 256]
     else:
-        rows = ([128, 256] if bn > 16 else [128, 256, 512]) if dtype == torch.bfloat16 else [128]
-        if strided:
-            rows = [128, 256] if bn == 16 and dtype == torch.bfloat16 else [128]
-        if x32:  # fp32 activations: 256 rows over 16 channels (a 32-channel tile exceeds shared memory)
-            rows = [256 if bn == 16 and not strided else 64 if strided else 128]
+        rows = [128]
     out = []
     for r in rows:
         cfg = wgrad_unroll(GemmConfig(bm, bn, r, bn // 16, 2 if r >= 512 or arch >= 90 else 3), dtype, arch, x32)
@@ -348,9 +351,8 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int 
             out.append(cfg)
     if kind == "wgrad" and half == 1 and _narrow_wgrad(arch, n):
         out += [cfg for cfg in _narrow_wgrad_tiles(m, n, dtype, arch, x32, strided) if cfg not in out]
-    rows = _narrow_fprop_rows(m, n, k, arch, x32) if kind == "fprop" and half == 1 else 0
-    if rows:
-        cfg = fprop_unroll(GemmConfig(rows, 16, 16, 4, 4), dtype, arch)
+    if kind == "fprop" and half == 1 and _narrow_fprop_rows(m, n, k, arch, x32):
+        cfg = fprop_config(m, n, k, dtype, False, arch, x32)  # the default's rows
         out += [cfg] if cfg not in out else []
     return out
 
