@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tools.static_report import limits, report, sass
+from tools.static_report.loop_limits import DEFAULT_BASELINE
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -167,7 +168,16 @@ def test_update_loop_baseline_refuses_a_restricted_run(tmp_path, capsys):
                   ["--dtypes", "bf16"], ["--kernels", "fprop"]):
         assert report.main(["--update-loop-baseline", "--loop-baseline", str(base), *extra]) == 2
         assert "needs the whole Triton report" in capsys.readouterr().err
+        # other models have a baseline of their own: still the whole report of them
+        assert report.main(["--update-loop-baseline", "--loop-baseline", str(base), "--models", "preact_resnet20",
+                            *extra]) == 2
+        assert "needs the whole Triton report" in capsys.readouterr().err
     assert not base.exists()
+    # the default baseline holds the default models' figures only
+    before = DEFAULT_BASELINE.read_text()
+    assert report.main(["--update-loop-baseline", "--models", "preact_resnet20"]) == 2
+    assert "needs the whole Triton report" in capsys.readouterr().err
+    assert DEFAULT_BASELINE.read_text() == before
 
 
 @needs_tools

@@ -158,7 +158,7 @@ def test_wgrad_rows_follow_the_arch(monkeypatch):
 
     assert rows(torch.bfloat16, arch=90) == [256, 128]  # the second conv has stride 2
     assert rows(torch.bfloat16, arch=80) == rows(torch.bfloat16) == [128, 128]
-    assert rows(torch.float32, arch=90) == [128, 128]  # autocast: the first conv reads fp32
+    assert rows(torch.float32, arch=90) == [64, 128]  # autocast: the first conv reads fp32 (3×3: 64-row blocks)
 
 
 def test_narrow_fprop_rows(monkeypatch):
@@ -286,6 +286,61 @@ def test_wgrad_unrolls_where_the_arch_allows(monkeypatch):
     assert any(c.unroll == 2 for c in cands)
     assert all(c.unroll == 1 for c in candidates("wgrad", 32, 64, big, torch.float16, arch=80))
     assert any(c.unroll == 2 for c in candidates("wgrad", 32, 64, big, torch.bfloat16, arch=80))
+
+
+def test_tiles_of_fp32_activations_over_several_taps(monkeypatch):
+    """Tiles that spilled where a launch reads fp32 activations (autocast) of a 3×3, adds a projection
+    beside a 3×3 in fp16 (static, PreActResNet-20/110's 64-channel layers) or the identity shortcut's
+    gradient beside a 3×3 dgrad (PreActResNet-18), and which the plan now picks from the filter's taps:
+    sm_90 fprop 64 rows over 64 channels, wgrad 64-row blocks unrolled, fp16's 64×64×64 fprop beside a
+    projection in 2 stages, dgrad 64 channels wide. The 1×1s (PreActResNet-50's x32 units) keep theirs."""
+    from fused_preact.ops import BATCH, RUNNING, BNMode, ChainSpec, ConvGeom
+    from fused_preact.ops.triton import configs
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    big = 10**6
+    for dtype in (torch.bfloat16, torch.float16):
+        assert configs.fprop_config(big, 64, 64, dtype, True, arch=90, x32=True, taps=9) == GemmConfig(64, 64, 64, 4, 2, unroll=2)
+        assert configs.fprop_config(big, 64, 64, dtype, True, arch=90, x32=True) == GemmConfig(128, 64, 64, 4, 3)
+        assert configs.fprop_config(big, 64, 64, dtype, True, arch=80, x32=True, taps=9) == GemmConfig(128, 64, 64, 4, 3)
+        assert configs.fprop_config(big, 64, 32, dtype, True, arch=90, x32=True, taps=9).BLOCK_M == 128
+        for arch in (80, 90):
+            assert configs.wgrad_config(64, 64, big, dtype, arch=arch, x32=True, taps=9) == GemmConfig(64, 64, 64, 4, 2,
+                                                                                                      unroll=2)
+            assert configs.wgrad_config(64, 64, big, dtype, arch=arch, x32=True) == GemmConfig(64, 64, 128, 4, 2, unroll=2)
+            assert all(c.unroll == 1 or c.BLOCK_K <= 64 or c.BLOCK_M <= 32
+                       for c in candidates("wgrad", 64, 64, big, dtype, arch=arch, x32=True, taps=9))
+    proj = [c for c in candidates("fprop", big, 64, 64, torch.float16, arch=90, taps=9, proj=True) if c.unroll == 2]
+    assert proj and all(c.num_stages == 2 for c in proj if c.BLOCK_M * c.BLOCK_N * c.BLOCK_K == 64 ** 3)
+    assert GemmConfig(64, 64, 64, 4, 3, unroll=2) in candidates("fprop", big, 64, 64, torch.bfloat16, arch=90, taps=9,
+                                                                 proj=True)
+
+    # the plan hands the rules its filters' taps and the projection of the last unit's launch
+    spec = ChainSpec((ConvGeom(32, 64, (3, 3), (2, 2), (1, 1)), ConvGeom(64, 64, (3, 3), (1, 1), (1, 1))),
+                     proj=ConvGeom(32, 64, (1, 1), (2, 2), (0, 0)))
+    x = torch.empty(128, 32, 16, 16, device="meta").contiguous(memory_format=torch.channels_last)
+    plan = triton_plans.TritonPlan(spec, (BNMode(BATCH, True),) * 2, x.shape, x.stride(), torch.float32, x.device,
+                                   torch.float16, False, False, tune=False, arch=90)
+    assert plan.tile_args(1, spec.convs[1], "fprop") == dict(arch=90, x32=False, taps=9, proj=True)
+    assert plan.tile_args(0, spec.convs[0], "fprop") == dict(arch=90, x32=True, taps=9, proj=False)
+    assert plan.tile_args(0, spec.proj, "fprop")["proj"] is False
+    assert plan.tile_args(0, spec.convs[0]) == dict(arch=90, x32=True, strided=True, taps=9)
+
+    # dgrad adding the identity shortcut's gradient (eval mode) over a 3×3: 64 channels wide on sm_90
+    # (64×128×64 spills 8 bytes, PreActResNet-18's 3×3 128→128)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert configs.dgrad_config(big, 128, 128, dtype, arch=90, taps=9, res=True).BLOCK_N == 64
+        assert configs.dgrad_config(big, 128, 128, dtype, arch=90, taps=9).BLOCK_N == 128
+        assert configs.dgrad_config(big, 128, 128, dtype, arch=90, res=True).BLOCK_N == 128
+        assert configs.dgrad_config(big, 128, 128, dtype, arch=80, taps=9, res=True).BLOCK_N == 128
+        assert all(c.BLOCK_N <= 64 for c in candidates("dgrad", big, 128, 128, dtype, arch=90, taps=9, res=True))
+    block = ChainSpec((ConvGeom(128, 128, (3, 3), (1, 1), (1, 1)),) * 2, residual="input")
+    x = torch.empty(128, 128, 16, 16, device="meta").contiguous(memory_format=torch.channels_last)
+    for mode, res in ((BNMode(BATCH, True), False), (BNMode(RUNNING, False), True)):
+        plan = triton_plans.TritonPlan(block, (mode,) * 2, x.shape, x.stride(), torch.bfloat16, x.device,
+                                       torch.bfloat16, False, False, tune=False, arch=90)
+        assert [plan.tile_args(i, g, "dgrad")["res"] for i, g in enumerate(block.convs)] == [res, False]
+        assert plan.units[0].dcfg.BLOCK_N == (64 if res else 128)
 
 
 def test_dgrad_takes_a_filter_row_per_step_for_narrow_outputs(monkeypatch):

@@ -186,10 +186,12 @@ def _parser() -> argparse.ArgumentParser:
                                                         "async copies or loads 16-bit operands element-wise, or a "
                                                         "main loop breaks its limits beyond the loop baseline")
     p.add_argument("--loop-baseline", metavar="JSON", default=str(DEFAULT_BASELINE),
-                   help="the ratchet baseline of the main-loop limits (default: tools/static_report/loop_baseline.json)")
+                   help="the ratchet baseline of the main-loop limits (default: tools/static_report/loop_baseline.json; "
+                        "the basic-block models': loop_baseline_basic.json beside it)")
     p.add_argument("--update-loop-baseline", action="store_true",
                    help="rewrite the loop baseline with this run's offenders (the variants it covers; the Triton "
-                        "part must be unrestricted: default models, archs, dtypes, batch, provider, no --layers/--kernels)")
+                        "part must be unrestricted: default models — others only with a --loop-baseline of their "
+                        "own —, archs, dtypes, batch, provider, no --layers/--kernels)")
     p.add_argument("--anchors", nargs="*", metavar="NAME",
                    help="also compile the reference GEMM loops (kind 'anchor'; all, or these names): "
                         + ", ".join(ANCHOR_NAMES))
@@ -229,8 +231,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     a = parser.parse_args(argv)
     if a.update_loop_baseline and not a.no_triton and _restricted(a, parser):
         print("tools.static_report: --update-loop-baseline needs the whole Triton report (a restricted run's figures "
-              "are lower bounds of the full run's); drop --layers/--kernels/--models/--arch/--dtypes/--batch/"
-              "--provider, or add --no-triton to update the CUDA C++ variants alone.", file=sys.stderr)
+              "are lower bounds of the full run's); drop --layers/--kernels/--arch/--dtypes/--batch/--provider and "
+              "--models (or give other models a --loop-baseline of their own), or add --no-triton to update the "
+              "CUDA C++ variants alone.", file=sys.stderr)
         return 2
     unknown = sorted(set(a.anchors or ()) - set(ANCHOR_NAMES))
     if unknown:
@@ -313,10 +316,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _restricted(a: argparse.Namespace, parser: argparse.ArgumentParser) -> bool:
-    """Whether the Triton part of the run covers less than the default report."""
+    """Whether the Triton part of the run covers less than the default report (its models: less than
+    the models given, where the baseline is not the default one — a baseline of other models)."""
     d = parser.parse_args([])
+    keys = ("arch", "dtypes") if Path(a.loop_baseline).resolve() != DEFAULT_BASELINE else ("models", "arch", "dtypes")
     return bool(a.layers or a.kernels or a.provider) or any(
-        sorted(getattr(a, k)) != sorted(getattr(d, k)) for k in ("models", "arch", "dtypes")) or a.batch != d.batch
+        sorted(getattr(a, k)) != sorted(getattr(d, k)) for k in keys) or a.batch != d.batch
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def one_step_tile(cfg: GemmConfig) -> bool:
     return LOOP_FREE and (interpreting() or cfg.BLOCK_M * cfg.BLOCK_N * cfg.BLOCK_K <= 128 * 64 * 32)
 
 
-def fprop_unroll(cfg: GemmConfig, dtype: torch.dtype, arch: int) -> GemmConfig:
+def fprop_unroll(cfg: GemmConfig, dtype: torch.dtype, arch: int, taps: int = 1, proj: bool = False) -> GemmConfig:
     """``cfg`` with fprop's main loop unrolled twice, into two accumulators (``kernels_fprop``'s UNROLL),
     where that keeps the wgmma pipeline and compiles without spills: 16-bit compute, and on sm_90
     (``arch`` ≥ 90) an output tile of at most 64×64 or 16-deep reduction steps, on sm_80 an output
@@ -83,11 +83,16 @@ def fprop_unroll(cfg: GemmConfig, dtype: torch.dtype, arch: int) -> GemmConfig:
     PreActResNet-164's 1×1 beside a projection or residual 1.06–1.14 → 0.88, its 3×3 32→32 2.6 → 2.4.
     A second 128×64 or 64×128 accumulator spills beside a 3×3's operands and the epilogues' (and those
     loops already meet the limits rolled). One pipeline stage less: a stage holds two steps' operands,
-    so the prefetch distance in steps stays and shared memory grows by a third, not twice."""
+    so the prefetch distance in steps stays and shared memory grows by a third, not twice. fp16's
+    64×64×64 tile of a filter of several taps (``taps`` = R·S) whose launch adds a projection shortcut
+    (``proj``) unrolls in two stages on sm_90: in three it spills 8 bytes (static, PreActResNet-20/110's
+    3×3 32→64 block)."""
     if interpreting() or dtype == torch.float32 or arch < 80:
         return cfg
     if arch >= 90:
         fits = cfg.BLOCK_M * cfg.BLOCK_N <= 64 * 64 or cfg.BLOCK_K == 16
+        if dtype == torch.float16 and taps > 1 and proj and cfg.BLOCK_M * cfg.BLOCK_N * cfg.BLOCK_K == 64 * 64 * 64:
+            return dataclasses.replace(cfg, unroll=2, num_stages=2)
     else:
         fits = cfg.BLOCK_N <= 32
     if fits:
@@ -106,15 +111,18 @@ def quad_channels(x_dtype: torch.dtype, cdtype: torch.dtype, Cg: int) -> bool:
 
 
 def fprop_config(M: int, Kg: int, Cg: int, dtype: torch.dtype, stats: bool, arch: int = 0,
-                 x32: bool = False) -> GemmConfig:
+                 x32: bool = False, taps: int = 1, proj: bool = False) -> GemmConfig:
     """Default fprop tiles for an (M × Cg·R·S)·(… × Kg) implicit GEMM (M = N·P·Q output pixels).
 
     16-bit: one warpgroup (4 warps; with 8, Triton's loop has a third barrier per iteration) and 128
     MMA rows per warpgroup where the output channels are few: 128×64 tiles up to Kg = 64, 64×128 from
     Kg = 128 (64×256 sits at the 255-register limit and spills); 64-row tiles for M < 1024; ≤ 16
     input and output channels per group more rows (:func:`_narrow_fprop_rows`; ``x32``: the chain
-    reads fp32 activations under 16-bit compute). fp32 operands (TF32 MMA) need twice the registers:
-    64×64 tiles."""
+    reads fp32 activations under 16-bit compute). On sm_90 a 128-row tile reading fp32 activations
+    (``x32``) of a filter of more than one tap (``taps`` = R·S) takes 64 rows: 128×64×64 spills
+    8–24 bytes there (static, PreActResNet-20/110's 3×3 64→64 beside the residual); ``proj``: the launch
+    adds a projection shortcut (:func:`fprop_unroll`). fp32 operands (TF32 MMA) need twice the
+    registers: 64×64 tiles."""
     if interpreting():
         return GemmConfig(p2(M, 16, INTERP_SUM_ROWS if stats else 4096), p2(Kg, 16, 256), p2(Cg, 16, 256))
     if dtype == torch.float32:
@@ -122,8 +130,10 @@ def fprop_config(M: int, Kg: int, Cg: int, dtype: torch.dtype, stats: bool, arch
     block_n = 128 if Kg >= 128 else p2(Kg, 16, 64)
     block_m = 64 if block_n == 128 or M < 8 * 128 else 128
     block_k = p2(Cg, 16, 64)
+    if x32 and taps > 1 and arch >= 90 and block_n == 64 and block_k == 64:
+        block_m = 64
     block_m = _narrow_fprop_rows(M, Kg, Cg, arch, x32) or block_m
-    return fprop_unroll(GemmConfig(block_m, block_n, block_k, 4, 3 if block_k == 64 else 4), dtype, arch)
+    return fprop_unroll(GemmConfig(block_m, block_n, block_k, 4, 3 if block_k == 64 else 4), dtype, arch, taps, proj)
 
 
 def _narrow_fprop_rows(M: int, Kg: int, Cg: int, arch: int, x32: bool = False) -> int:
@@ -160,19 +170,28 @@ def dgrad_slots(g: ConvGeom, Kg: int, dtype: torch.dtype) -> int:
     return slots if slots <= 4 else 1
 
 
-def dgrad_config(M: int, Cg: int, Kg: int, dtype: torch.dtype, slots: int = 1, arch: int = 0) -> GemmConfig:
+def dgrad_config(M: int, Cg: int, Kg: int, dtype: torch.dtype, slots: int = 1, arch: int = 0, taps: int = 1,
+                 res: bool = False) -> GemmConfig:
     """Default dgrad tiles (M = N·H·W input pixels, N = Cg, reduction over taps × Kg). 64-row tiles:
     the epilogue holds the accumulator, x, the mask and x̂ at once, and 128-row tiles sit at the
     255-register limit (they spill on sm_80 in bf16 and on sm_90 in fp32); 128 channels wide only with
     64-deep reduction steps (64×128×32 spills one value on sm_90 with the residual epilogue); output
     tiles of ≤ 32 channels take more rows (:func:`_narrow_rows`, by ``arch``). ``slots``
-    (:func:`dgrad_slots`) > 1: a step of ``slots`` taps of ``p2(Kg)`` channels each."""
+    (:func:`dgrad_slots`) > 1: a step of ``slots`` taps of ``p2(Kg)`` channels each. ``res``: the launch
+    adds the identity shortcut's gradient to dx (eval mode or given statistics): with a filter of several
+    taps (``taps`` = R·S) at most 64 channels wide on sm_90 (64×128×64 spills 8 bytes there, static,
+    PreActResNet-18's 3×3 128→128)."""
     if interpreting():
         return GemmConfig(p2(M, 16, INTERP_SUM_ROWS), p2(Cg, 16, 256), slots * p2(Kg, 16, 256), slots=slots)
     fp32 = dtype == torch.float32
     block_k = slots * p2(Kg, 16, 32) if slots > 1 else p2(Kg, 16, 32 if fp32 else 64)
-    block_n = p2(Cg, 16, 64 if fp32 or block_k < 64 else 128)
+    block_n = p2(Cg, 16, 64 if fp32 or block_k < 64 or _res_narrow(arch, taps, res) else 128)
     return GemmConfig(64 if fp32 else _narrow_rows(M, block_n, block_k, arch), block_n, block_k, 4, 3, slots=slots)
+
+
+def _res_narrow(arch: int, taps: int, res: bool) -> bool:
+    """Whether a dgrad tile stays at most 64 channels wide for its residual epilogue (:func:`dgrad_config`)."""
+    return res and taps > 1 and arch >= 90
 
 
 def _narrow_rows(M: int, block_n: int, block_k: int, arch: int, rows: int = 64) -> int:
@@ -251,7 +270,7 @@ def _narrow_wgrad_tiles(Kg: int, Cg: int, dtype: torch.dtype, arch: int, x32: bo
 
 
 def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x32: bool = False,
-                 strided: bool = False) -> GemmConfig:
+                 strided: bool = False, taps: int = 1) -> GemmConfig:
     """Default wgrad tiles: BLOCK_M over output channels, BLOCK_N over input channels, BLOCK_K over
     the reduction (N·P·Q rows). The kernel computes dWᵀ: BLOCK_N is the MMA's M (64 per warpgroup on
     sm_90, so 64 with 4 warps: one warpgroup, one register A fragment), BLOCK_M its N (up to 128 in
@@ -260,7 +279,8 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x3
     stay the same while the per-iteration ones shrink (static issue ratio, PreActResNet-50's 3×3
     64→64 on sm_90: 1.22 with 64 rows, 1.03 with 128, 0.96 with 256 in 2 stages). 256 rows where
     :func:`_wide_wgrad_rows` allows them (``arch``: compute capability as 10·major + minor, 0 unknown;
-    ``x32``: the activations are fp32 under a 16-bit ``dtype``; ``strided``: a conv stride > 1), else 128.
+    ``x32``: the activations are fp32 under a 16-bit ``dtype``; ``strided``: a conv stride > 1), else 128;
+    ``taps``: the filter's R·S (64 rows where fp32 activations meet several taps, :func:`wgrad_unroll`).
     On sm_80 and later GPUs ≤ 32 input channels per group take tiles fitted to them
     (:func:`_narrow_wgrad_tiles`).
     """
@@ -273,11 +293,12 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x3
     if _narrow_wgrad(arch, Cg):
         return _narrow_wgrad_tiles(Kg, Cg, dtype, arch, x32, strided)[0]
     if bm <= 64 and _wide_wgrad_rows(arch, dtype, x32, strided, Kg):
-        return wgrad_unroll(GemmConfig(bm, 64, 256, 4, 2), dtype, arch, x32)
-    return wgrad_unroll(GemmConfig(bm, 64, 128 if bm <= 64 else 64, 4, 3), dtype, arch, x32)
+        return wgrad_unroll(GemmConfig(bm, 64, 256, 4, 2), dtype, arch, x32, taps)
+    rows = 128 if bm <= 64 and not (x32 and taps > 1) else 64
+    return wgrad_unroll(GemmConfig(bm, 64, rows, 4, 3), dtype, arch, x32, taps)
 
 
-def wgrad_unroll(cfg: GemmConfig, dtype: torch.dtype, arch: int, x32: bool) -> GemmConfig:
+def wgrad_unroll(cfg: GemmConfig, dtype: torch.dtype, arch: int, x32: bool, taps: int = 1) -> GemmConfig:
     """``cfg`` with wgrad's main loop unrolled twice, two row blocks per iteration into two accumulators
     (``kernels_conv._wgrad_tile``'s UNROLL), where that compiles without spills and pays: sm_80 or
     later (``arch`` ≥ 80), 16-bit compute, one output-channel piece (BLOCK_M ≤ BLOCK_N: the second
@@ -289,10 +310,14 @@ def wgrad_unroll(cfg: GemmConfig, dtype: torch.dtype, arch: int, x32: bool) -> G
     in flight (wgmma waits at depth 3, was 1); on both the per-iteration costs halve: static, sm_90,
     PreActResNet-164's 32-channel 1×1 (fp16) 1.45 → 1.33, 3×3 stride 2 2.55 → 2.40, x32 1×1
     1.17 → 1.09, its 16-channel x32 1×1 4.47 → 3.91; sm_80, its 16-channel 1×1 1.29 → 1.12, 32-channel
-    x32 1×1 1.51 → 0.98, 3×3 stride 2 (bf16) 1.45 → 1.17. One pipeline stage less, as :func:`fprop_unroll`."""
+    x32 1×1 1.51 → 0.98, 3×3 stride 2 (bf16) 1.45 → 1.17. One pipeline stage less, as :func:`fprop_unroll`.
+    With fp32 activations over 32 output channels, a filter of several taps (``taps`` = R·S) unrolls
+    row blocks of at most 64 (:func:`wgrad_config` gives it those): its 64×64×128 tile spills 64 (sm_80)
+    to 208 (sm_90) bytes unrolled (static, PreActResNet-20/110's 3×3 64→64; 64×64×64 unrolled: 1.02 on
+    sm_80, 1.90 on sm_90, where 64×64×128 rolled is 1.26 and 1.84)."""
     if interpreting() or dtype == torch.float32 or arch < 80 or cfg.BLOCK_M > cfg.BLOCK_N or cfg.BLOCK_K > 128:
         return cfg
-    if cfg.BLOCK_M > 32 and not x32:
+    if cfg.BLOCK_M > 32 and not (x32 and (taps == 1 or cfg.BLOCK_K <= 64)):
         return cfg
     if arch < 90 and cfg.BLOCK_M > 16 and cfg.BLOCK_N > 32 and dtype == torch.float16 and not x32:
         return cfg
@@ -313,12 +338,14 @@ _WGRAD_WIDE = ((64, 64, 256, 4, 2),)
 
 
 def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int = 0, x32: bool = False,
-               strided: bool = False, slots: int = 1) -> list[GemmConfig]:
+               strided: bool = False, slots: int = 1, taps: int = 1, proj: bool = False,
+               res: bool = False) -> list[GemmConfig]:
     """The pruned tile space of a conv kernel for an (m × k)·(k × n) GEMM (``kind``: fprop, dgrad
     or wgrad; for wgrad m is the output channels, n the input channels, k the rows): blocks clamped to
     the problem (powers of two ≥ 16), duplicates removed. ``arch``: as :func:`fprop_unroll` and
     :func:`wgrad_config`; ``x32``, ``strided``: as :func:`wgrad_config` (its 256-row tiles);
-    ``slots``: dgrad's taps per step, :func:`dgrad_slots`. wgrad on sm_80 and later over ≤ 32 input
+    ``slots``: dgrad's taps per step, :func:`dgrad_slots`; ``taps`` (R·S), ``proj``, ``res``: as
+    :func:`fprop_config`, :func:`wgrad_unroll` and :func:`dgrad_config`. wgrad on sm_80 and later over ≤ 32 input
     channels also takes tiles fitted to them (:func:`_narrow_wgrad`), fprop over ≤ 16 channels more
     rows (:func:`_narrow_fprop_rows`)."""
     half = 2 if dtype == torch.float32 else 1
@@ -340,19 +367,19 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int 
             bk = slots * p2(k, 16, 32)
         if kind == "dgrad" and half == 1:
             bm = _narrow_rows(m, bn, bk, arch, bm)
-        if kind == "dgrad" and bk < 64:  # see dgrad_config
+        if kind == "dgrad" and (bk < 64 or _res_narrow(arch, taps, res)):  # see dgrad_config
             bn = min(bn, 64)
         cfg = GemmConfig(bm, bn, bk, 4 if bm * bn < 128 * 64 else warps, stages, slots=slots if kind == "dgrad" else 1)
         if kind == "fprop":
-            cfg = fprop_unroll(cfg, dtype, arch)
+            cfg = fprop_unroll(cfg, dtype, arch, taps, proj)
         if kind == "wgrad":
-            cfg = wgrad_unroll(cfg, dtype, arch, x32)
+            cfg = wgrad_unroll(cfg, dtype, arch, x32, taps)
         if cfg not in out:
             out.append(cfg)
     if kind == "wgrad" and half == 1 and _narrow_wgrad(arch, n):
         out += [cfg for cfg in _narrow_wgrad_tiles(m, n, dtype, arch, x32, strided) if cfg not in out]
     if kind == "fprop" and half == 1 and _narrow_fprop_rows(m, n, k, arch, x32):
-        cfg = fprop_config(m, n, k, dtype, False, arch, x32)  # the default's rows
+        cfg = fprop_config(m, n, k, dtype, False, arch, x32, taps, proj)  # the default's rows
         out += [cfg] if cfg not in out else []
     return out
 

@@ -124,8 +124,7 @@ class TritonPlan:
             unit = UnitPlan(g, shapes[i], shapes[i + 1], in_strides, out_st, modes[i],
                             over.get("fprop") or fprop_config(N * P * Q, Kg, Cg, cdtype, stats_out,
                                                               **self.tile_args(i, g, "fprop")),
-                            over.get("dgrad") or dgrad_config(N * H * W, Cg, Kg, cdtype, dgrad_slots(g, Kg, cdtype),
-                                                              self.arch),
+                            over.get("dgrad") or dgrad_config(N * H * W, Cg, Kg, cdtype, **self.tile_args(i, g, "dgrad")),
                             over.get("wgrad") or wgrad_config(Kg, Cg, N * P * Q, cdtype, **self.tile_args(i, g)), 1,
                             stats_out)
             if tune and overrides is None and _tunes_on(device):
@@ -140,15 +139,24 @@ class TritonPlan:
 
     def tile_args(self, i: int, g: ConvGeom, kind: str = "wgrad") -> dict:
         """The tile rules' arguments (:func:`wgrad_config`, :func:`fprop_config`, ``candidates``) for
-        the ``kind`` kernel of the conv ``g`` reading unit i's input: arch; x32: under 16-bit compute
-        the launch reads fp32 activations — unit i's input (the chain's, i = 0) or, for fprop, the
-        residual the last unit adds (assumed of the chain input's dtype); for wgrad strided."""
+        the ``kind`` kernel of the conv ``g`` reading unit i's input: arch; taps: g's R·S; x32: under
+        16-bit compute the launch reads fp32 activations — unit i's input (the chain's, i = 0) or, for
+        fprop, the residual the last unit adds (assumed of the chain input's dtype); for fprop proj:
+        the launch adds the projection shortcut (the last unit's); for wgrad strided; for dgrad slots
+        (:func:`dgrad_slots`) and res: the launch adds the identity shortcut's gradient to dx."""
         autocast = self.x_dtype == torch.float32 and self.cdtype != torch.float32
+        taps = g.kernel[0] * g.kernel[1]
         if kind == "fprop":
-            last_adds = i == len(self.spec.convs) - 1 and self.spec.residual != "none"
-            return dict(arch=self.arch, x32=autocast and (i == 0 or last_adds))
+            last = i == len(self.spec.convs) - 1
+            last_adds = last and self.spec.residual != "none"
+            proj = last and self.spec.proj is not None and self.spec.proj_out == "add" and g is not self.spec.proj
+            return dict(arch=self.arch, x32=autocast and (i == 0 or last_adds), taps=taps, proj=proj)
+        if kind == "dgrad":  # res: the launch adds the identity shortcut's gradient (unit 0, dx written)
+            res = i == 0 and self.spec.residual == "input" and self.modes[0].kind != BATCH
+            return dict(slots=dgrad_slots(g, g.out_channels // g.groups, self.cdtype), arch=self.arch,
+                        taps=taps, res=res)
         x32 = i == 0 and autocast
-        return dict(arch=self.arch, x32=x32, strided=g.stride != (1, 1))
+        return dict(arch=self.arch, x32=x32, strided=g.stride != (1, 1), taps=taps)
 
     def unit_candidates(self, u: UnitPlan, i: int, kind: str) -> list[GemmConfig]:
         """The autotune candidates of the ``kind`` kernel (fprop, dgrad, wgrad) of u, unit i: the ones
@@ -156,9 +164,7 @@ class TritonPlan:
         g = u.geom
         Cg, Kg = u.in_shape[1] // g.groups, u.out_shape[1] // g.groups
         m, n, k = {"fprop": (u.M_out, Kg, Cg), "dgrad": (u.M_in, Cg, Kg), "wgrad": (Kg, Cg, u.M_out)}[kind]
-        args = self.tile_args(i, g, kind) if kind != "dgrad" else dict(slots=dgrad_slots(g, Kg, self.cdtype),
-                                                                        arch=self.arch)
-        return candidates(kind, m, n, k, self.cdtype, **args)
+        return candidates(kind, m, n, k, self.cdtype, **self.tile_args(i, g, kind))
 
     # ------------------------------------------------------------------------------------ layout
     def _plan_proj(self, split: Optional[int]) -> None:
