@@ -308,6 +308,8 @@ def test_tiles_of_fp32_activations_over_several_taps(monkeypatch):
             assert configs.wgrad_config(64, 64, big, dtype, arch=arch, x32=True, taps=9) == GemmConfig(64, 64, 64, 4, 2,
                                                                                                       unroll=2)
             assert configs.wgrad_config(64, 64, big, dtype, arch=arch, x32=True) == GemmConfig(64, 64, 128, 4, 2, unroll=2)
+            assert configs.wgrad_config(32, 64, big, dtype, arch=arch, x32=True, taps=9) == GemmConfig(32, 64, 128, 4, 2,
+                                                                                                      unroll=2)
             assert all(c.unroll == 1 or c.BLOCK_K <= 64 or c.BLOCK_M <= 32
                        for c in candidates("wgrad", 64, 64, big, dtype, arch=arch, x32=True, taps=9))
     proj = [c for c in candidates("fprop", big, 64, 64, torch.float16, arch=90, taps=9, proj=True) if c.unroll == 2]

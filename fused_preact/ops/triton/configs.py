@@ -294,7 +294,7 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x3
         return _narrow_wgrad_tiles(Kg, Cg, dtype, arch, x32, strided)[0]
     if bm <= 64 and _wide_wgrad_rows(arch, dtype, x32, strided, Kg):
         return wgrad_unroll(GemmConfig(bm, 64, 256, 4, 2), dtype, arch, x32, taps)
-    rows = 128 if bm <= 64 and not (x32 and taps > 1) else 64
+    rows = 64 if bm > 64 or (bm > 32 and x32 and taps > 1) else 128
     return wgrad_unroll(GemmConfig(bm, 64, rows, 4, 3), dtype, arch, x32, taps)
 
 

@@ -187,6 +187,9 @@ def _dgrad_kernel(
     TAPBITS: tl.constexpr = DIRECT and R * S > 1 and R * S <= 32
     if DIRECT:
         dy_row = dbase + hq * sdh + wq * sdw
+        # 64-bit row pointers built once: a step adds one scalar (a wide multiply-add per vector load,
+        # where offsets rebuilt a pointer from a 32-bit sum each step)
+        dy_rows = dy_ptr + (dy_row[:, None] + dy_k)
     if TAPBITS:
         hbits = tl.zeros([BLOCK_M], dtype=tl.int32)
         for rb in tl.static_range(R):
@@ -236,9 +239,10 @@ def _dgrad_kernel(
             oh_step = DIL_H
         shift = r0 * S
         w_r = r0 * swr
+        dy_slots = dy_ptr + (dy_row[:, None] + dy_cols)  # as dy_rows
         for it in range(NR * NUM_KK):  # NUM_KK is 1 here (a runtime 1: the loop stays a loop)
             valid = (taps[:, None] & (col_bit << shift)[None, :]) != 0
-            dyt = tl.load(dy_ptr + (dy_row + oh * sdh)[:, None] + dy_cols, mask=valid, other=0.0)
+            dyt = tl.load(dy_slots + oh * sdh, mask=valid, other=0.0)
             wt = tl.load(w_ptr + (w_cols + w_r), mask=w_ok, other=0.0)
             acc = tl.dot(dyt.to(DOT_DTYPE), wt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
             oh -= oh_step
@@ -277,7 +281,7 @@ def _dgrad_kernel(
                 else:
                     valid = m_mask & ((hq + oh).to(tl.uint32, bitcast=True) < P) & \
                         ((wq + ow).to(tl.uint32, bitcast=True) < Q)
-                dy_off = dy_row + (oh * sdh + ow * sdw + k0 * sdc)
+                dy_src = dy_rows + (oh * sdh + ow * sdw + k0 * sdc)
             else:
                 ph = hi + PAD_H - r * DIL_H
                 pw = wi + PAD_W - s * DIL_W
@@ -296,16 +300,16 @@ def _dgrad_kernel(
                     qq = pwc // STRIDE_W
                     ok_w = (pw >= 0) & (qq * STRIDE_W == pwc) & (qq < Q)
                 valid = m_mask & ok_h & ok_w
-                dy_off = dbase + p * sdh + qq * sdw + k0 * sdc
+                dy_src = dy_ptr + (dbase + p * sdh + qq * sdw + k0 * sdc)[:, None] + dy_k
             if EVEN_K:
-                dyt = tl.load(dy_ptr + dy_off[:, None] + dy_k, mask=valid[:, None], other=0.0)
+                dyt = tl.load(dy_src, mask=valid[:, None], other=0.0)
                 if EVEN_N:
                     wt = tl.load(w_ptr + (w_inv + (k0 * swk + r * swr + s * sws)))
                 else:
                     wt = tl.load(w_ptr + (w_inv + (k0 * swk + r * swr + s * sws)), mask=w_mask_n, other=0.0)
             else:
                 k_ok = (k0 + arange_k) < Kg
-                dyt = tl.load(dy_ptr + dy_off[:, None] + dy_k, mask=valid[:, None] & k_ok[None, :], other=0.0)
+                dyt = tl.load(dy_src, mask=valid[:, None] & k_ok[None, :], other=0.0)
                 wt = tl.load(w_ptr + (w_inv + (k0 * swk + r * swr + s * sws)), mask=k_ok[:, None] & n_mask[None, :],
                              other=0.0)
             acc = tl.dot(dyt.to(DOT_DTYPE), wt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
