@@ -311,6 +311,9 @@ def test_check_rules_and_table():
     table = report.format_table([ok, _entry(regs=200, key="k2")])
     row = table.splitlines()[2].split()
     assert row[:6] == ["fprop", "128x64x64", "w4", "s3", "bf16", "sm_90"] and "128-200" in row and "32:2" in table
+    # the mma column counts tensor-core instructions of any kind (sm_90's narrow tiles run HMMA)
+    narrow = report.format_table([_entry(kernel="wgrad", config="16x16x128 w1 s2", mma=0, mma_by_op={"HMMA": 32})])
+    assert narrow.splitlines()[2].split()[10] == "32"
 
 
 def test_check_accepts_mma_sync_only_where_wgmma_cannot_run():

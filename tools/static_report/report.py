@@ -128,7 +128,8 @@ def _loop_cells(es: Sequence[dict]) -> list[str]:
 def format_table(entries: Sequence[dict], full: bool = False) -> str:
     """Text table: one row per (kind, kernel, config, dtype, arch) with ranges over its
     compilations (``n``; every compilation with ``full``), sorted by kernel and dtype (in order of
-    appearance), config, arch. Columns: regs, stack [B], smem [KiB], mma, LDGSTS, TMA, STL/LDL, LDG
+    appearance), config, arch. Columns: regs, stack [B], smem [KiB], mma (tensor-core instructions of
+    any kind: HGMMA, and the HMMA of sm_90's narrow mma.sync tiles), LDGSTS, TMA, STL/LDL, LDG
     and LDGSTS widths as ``bits:count``, and the main loop's per-iteration figures (``loop``, see
     :func:`tools.static_report.sass.loop_stats`): instructions, MMAs, issue ratio, the smallest MMA
     utilization over its layers (:mod:`tools.static_report.utilization`), the smallest wgmma wait depth,
@@ -157,7 +158,7 @@ def format_table(entries: Sequence[dict], full: bool = False) -> str:
             continue
         lines.append([k[1], k[2]] + ([k[5]] if full else []) + [
             k[3], k[4], str(len(es)), _rng([e["regs"] for e in ok]), _rng([e["stack_bytes"] for e in ok]),
-            _rng([round(e["shared_bytes"] / 1024, 1) for e in ok]), _rng([e["mma"] for e in ok]),
+            _rng([round(e["shared_bytes"] / 1024, 1) for e in ok]), _rng([sum((e.get("mma_by_op") or {}).values()) for e in ok]),
             _rng([e["async_copies"]["LDGSTS"] for e in ok]), _rng([e["async_copies"]["UTMALDG"] for e in ok]),
             f"{_rng([e['spill_stores'] for e in ok])}/{_rng([e['spill_loads'] for e in ok])}",
             _widths([e["ldg_by_width"] for e in ok]), _widths([e["ldgsts_by_width"] for e in ok])] + _loop_cells(ok))
