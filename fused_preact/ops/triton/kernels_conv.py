@@ -187,9 +187,6 @@ def _dgrad_kernel(
     TAPBITS: tl.constexpr = DIRECT and R * S > 1 and R * S <= 32
     if DIRECT:
         dy_row = dbase + hq * sdh + wq * sdw
-        # 64-bit row pointers built once: a step adds one scalar (a wide multiply-add per vector load,
-        # where offsets rebuilt a pointer from a 32-bit sum each step)
-        dy_rows = dy_ptr + (dy_row[:, None] + dy_k)
     if TAPBITS:
         hbits = tl.zeros([BLOCK_M], dtype=tl.int32)
         for rb in tl.static_range(R):
@@ -239,7 +236,9 @@ def _dgrad_kernel(
             oh_step = DIL_H
         shift = r0 * S
         w_r = r0 * swr
-        dy_slots = dy_ptr + (dy_row[:, None] + dy_cols)  # as dy_rows
+        # 64-bit row pointers built once: a step adds one scalar (a wide multiply-add per vector load,
+        # where offsets rebuilt a pointer from a 32-bit sum each step)
+        dy_slots = dy_ptr + (dy_row[:, None] + dy_cols)
         for it in range(NR * NUM_KK):  # NUM_KK is 1 here (a runtime 1: the loop stays a loop)
             valid = (taps[:, None] & (col_bit << shift)[None, :]) != 0
             dyt = tl.load(dy_slots + oh * sdh, mask=valid, other=0.0)
@@ -253,6 +252,8 @@ def _dgrad_kernel(
         ss = 0
         rr = 0
         tl.static_assert(STEPS == 0 or (STEPS == 1 and R * S == 1 and not PHASED), "STEPS: a 1x1 of stride 1")
+        if DIRECT:
+            dy_rows = dy_ptr + (dy_row[:, None] + dy_k)  # as dy_slots above
         for t in range(1 if STEPS else NR * NS * NUM_KK):
             if R * S == 1:
                 k0 = t * BLOCK_K
