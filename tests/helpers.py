@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -45,7 +46,7 @@ def assert_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what:
 #: EAGER_FLOOR[dtype] (machine epsilon of a 16-bit dtype: where eager's own error is tiny, e.g. running
 #: statistics computed in fp32 and rounded once, the fused path may round once more). ErrorPool pools them.
 __all__ = ["FUSED_BACKENDS", "TOL", "rel_err", "assert_close", "EAGER_RATIO", "EAGER_FLOOR", "ErrorPool", "assert_within_eager",
-           "randn", "HostEvent"]
+           "randn", "HostEvent", "pooled_training_errors"]
 
 
 def assert_within_eager(fused: ErrorPool, eager: ErrorPool, dtype: torch.dtype, what: str = "") -> None:
@@ -84,3 +85,32 @@ class HostEvent:
 
     def elapsed_time(self, other):
         return max((other.t - self.t) * 1e3, 1e-6)
+
+
+def pooled_training_errors(builds: dict, x_shape, dy_shape, dtype: torch.dtype, draws: int = 2,
+                           x_shift: float = 0.2) -> dict:
+    """Errors of the 16-bit ``builds["eager"]`` and ``builds["fused"]`` (modules in ``dtype``) against
+    ``builds["float64"]``, pooled over ``draws`` training steps on fresh copies: channels_last input
+    ``N(x_shift, 1)`` of ``x_shape`` and output gradient ``N(0, 1)`` of ``dy_shape``; output, input
+    gradient, every parameter gradient (floored at 1% of the largest reference gradient's norm) and
+    floating buffer. Returns ``{"eager": ErrorPool, "fused": ErrorPool}`` for :func:`assert_within_eager`."""
+    pools = {"eager": ErrorPool(), "fused": ErrorPool()}
+    for draw in range(draws):
+        gen = torch.Generator().manual_seed(draw)
+        x = torch.randn(*x_shape, dtype=torch.float64, generator=gen) + x_shift
+        dy = torch.randn(*dy_shape, dtype=torch.float64, generator=gen)
+        res = {}
+        for name, original in builds.items():
+            m = copy.deepcopy(original).train()
+            dt = torch.float64 if name == "float64" else dtype
+            xi = x.to(DEVICE, dt).contiguous(memory_format=torch.channels_last).requires_grad_()
+            y = m(xi)
+            y.backward(dy.to(DEVICE, dt))
+            res[name] = {"output": y, "input grad": xi.grad, **{f"grad {n}": p.grad for n, p in m.named_parameters()},
+                         **{f"buffer {n}": b for n, b in m.named_buffers() if b.is_floating_point()}}
+        ref = res["float64"]
+        scale = 1e-2 * max(v.norm().item() for k, v in ref.items() if k.startswith("grad "))
+        for name, pool in pools.items():
+            for k, v in res[name].items():
+                pool.add(k, v, ref[k], scale if k.startswith("grad ") else 0.0)
+    return pools

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import ErrorPool, assert_within_eager
+from helpers import assert_within_eager, pooled_training_errors
 from test_convert import _randomize_bn as _randomize_kinks
 from test_modules import _compare, _randomize_bn
 from test_op import _run
@@ -101,25 +101,7 @@ def test_bottleneck_with_projection_fp16(monkeypatch, in_planes, small, fprop_st
     low = copy.deepcopy(model).to(DEVICE, torch.float16).to(memory_format=torch.channels_last)
     builds = {"float64": model.to(DEVICE, torch.float64), "eager": low,
               "fused": fused.to(DEVICE, torch.float16).to(memory_format=torch.channels_last)}
-    pools = {"eager": ErrorPool(), "fused": ErrorPool()}
-    for draw in range(2):
-        gen = torch.Generator().manual_seed(draw)
-        x = torch.randn(2, in_planes, 6, 6, dtype=torch.float64, generator=gen) + 0.2
-        dy = torch.randn(2, 32, 6, 6, dtype=torch.float64, generator=gen)
-        res = {}
-        for name, original in builds.items():
-            m = copy.deepcopy(original).train()
-            dt = torch.float64 if name == "float64" else torch.float16
-            xi = x.to(DEVICE, dt).contiguous(memory_format=torch.channels_last).requires_grad_()
-            y = m(xi)
-            y.backward(dy.to(DEVICE, dt))
-            res[name] = {"output": y, "input grad": xi.grad, **{f"grad {n}": p.grad for n, p in m.named_parameters()},
-                         **{f"buffer {n}": b for n, b in m.named_buffers() if b.is_floating_point()}}
-        ref = res["float64"]
-        scale = 1e-2 * max(v.norm().item() for k, v in ref.items() if k.startswith("grad "))
-        for name, pool in pools.items():
-            for k, v in res[name].items():
-                pool.add(k, v, ref[k], scale if k.startswith("grad ") else 0.0)
+    pools = pooled_training_errors(builds, (2, in_planes, 6, 6), (2, 32, 6, 6), torch.float16)
     assert_within_eager(pools["fused"], pools["eager"], torch.float16, f"in_planes {in_planes}")
     assert _steps(seen, "fprop") == fprop_steps and True in _steps(seen, "dgrad")
 

@@ -55,7 +55,7 @@ def test_plan_tunes_picks_caches_and_stays_correct(monkeypatch, tmp_path):
     assert all(u.fcfg.BLOCK_M == 64 and u.dcfg.BLOCK_M == 64 for u in plan.units)  # the fake timer's choice
     entries = json.loads(cache.read_text())
     assert len(entries) >= 3 and all(set(v) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "unroll",
-                                                                   "slots"}
+                                                                   "slots", "halo"}
                                      for v in entries.values())
     # pairs keyed with a separator: stride (1, 12) and (11, 2) must not share "s112"
     assert all("|s1x1|p1x1|d1x1|" in k for k in entries if "R3S3" in k), list(entries)
@@ -323,8 +323,8 @@ def test_tiles_of_fp32_activations_over_several_taps(monkeypatch):
     x = torch.empty(128, 32, 16, 16, device="meta").contiguous(memory_format=torch.channels_last)
     plan = triton_plans.TritonPlan(spec, (BNMode(BATCH, True),) * 2, x.shape, x.stride(), torch.float32, x.device,
                                    torch.float16, False, False, tune=False, arch=90)
-    assert plan.tile_args(1, spec.convs[1], "fprop") == dict(arch=90, x32=False, taps=9, proj=True)
-    assert plan.tile_args(0, spec.convs[0], "fprop") == dict(arch=90, x32=True, taps=9, proj=False)
+    assert plan.tile_args(1, spec.convs[1], "fprop") == dict(arch=90, x32=False, taps=9, proj=True, halo=True)
+    assert plan.tile_args(0, spec.convs[0], "fprop") == dict(arch=90, x32=True, taps=9, proj=False, halo=True)
     assert plan.tile_args(0, spec.proj, "fprop")["proj"] is False
     assert plan.tile_args(0, spec.convs[0]) == dict(arch=90, x32=True, strided=True, taps=9)
 

@@ -162,7 +162,7 @@ def _label(rec) -> str:
     if "BLOCK_N" in k and "BLOCK_K" in k:
         return (f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{k.get('num_warps', 4)} s{k.get('num_stages', 3)}"
                 + (f" u{k['UNROLL']}" if k.get("UNROLL", 1) != 1 else "")
-                + (f" t{k['SLOTS']}" if k.get("SLOTS", 1) != 1 else ""))
+                + (f" t{k['SLOTS']}" if k.get("SLOTS", 1) != 1 else "") + (" h" if k.get("STAGE_ROWS") else ""))
     if "BLOCK_R" in k:
         return (f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_R']} w{k.get('num_warps', 4)} s{k.get('num_stages', 3)}"
                 + (f" u{k['UNROLL']}" if k.get("UNROLL", 1) != 1 else "") + (" splitK" if k.get("SPLIT_K") else ""))

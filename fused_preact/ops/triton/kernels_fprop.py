@@ -236,6 +236,28 @@ def _next_tap(r, s, c_off, R: tl.constexpr, S: tl.constexpr, TAPS_ONLY: tl.const
 
 
 
+@triton.jit
+def _epilogue(acc, m_mask, n_mask, k_out, nb, p, q, bias_ptr, xin_ptr, sin_n, sin_h, sin_w, sin_c,
+              y_ptr, syn, syh, syw, syc, part_ptr, pid_m, M, K,
+              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, STATS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The fprop tile's epilogue on its fp32 accumulator ``acc`` (rows ``m_mask``, output channels
+    ``k_out`` where ``n_mask``; rows at image ``nb``, pixel (p, q)): + bias, + the identity shortcut
+    ``xin`` (HAS_RES), y stored in its dtype, and with STATS the tile's mean and M2 of the stored
+    (rounded) values — what the next BatchNorm reads — into row ``pid_m`` of ``part``."""
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + k_out, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_RES:
+        rrow = nb * sin_n + p * sin_h + q * sin_w
+        acc += tl.load(xin_ptr + rrow[:, None] + k_out[None, :] * sin_c, mask=y_mask, other=0.0).to(tl.float32)
+    yrow = nb * syn + p * syh + q * syw
+    yv = acc.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + yrow[:, None] + k_out[None, :] * syc, yv, mask=y_mask)
+    if STATS:
+        tile_mean_m2(yv.to(tl.float32), y_mask, tl.minimum(M - pid_m * BLOCK_M, BLOCK_M),
+                     part_ptr + pid_m.to(tl.int64) * (2 * K) + k_out, n_mask, K)
+
+
 @triton.jit(do_not_specialize=("M", "H", "W", "P", "Q", "H2", "W2"))
 def _fprop_kernel(
     x_ptr, sxn, sxh, sxw, sxc,
@@ -428,15 +450,5 @@ def _fprop_kernel(
             acc = tl.dot(a2.to(DOT_DTYPE), wt2.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
     if SCALED:  # e again (not held through the loop: registers)
         acc = acc * _pow2(_scale_exponent(pack_ptr, C, pack2_ptr, C2, HAS_PROJ, DOT_DTYPE, UP16))
-    y_mask = m_mask[:, None] & n_mask[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + k_out, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if HAS_RES:
-        rrow = nb * sin_n + p * sin_h + q * sin_w
-        acc += tl.load(xin_ptr + rrow[:, None] + k_out[None, :] * sin_c, mask=y_mask, other=0.0).to(tl.float32)
-    yrow = nb * syn + p * syh + q * syw
-    yv = acc.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + yrow[:, None] + k_out[None, :] * syc, yv, mask=y_mask)
-    if STATS:  # statistics of the stored (rounded) values: what the next BatchNorm reads
-        tile_mean_m2(yv.to(tl.float32), y_mask, tl.minimum(M - pid_m * BLOCK_M, BLOCK_M),
-                     part_ptr + pid_m.to(tl.int64) * (2 * K) + k_out, n_mask, K)
+    _epilogue(acc, m_mask, n_mask, k_out, nb, p, q, bias_ptr, xin_ptr, sin_n, sin_h, sin_w, sin_c,
+              y_ptr, syn, syh, syw, syc, part_ptr, pid_m, M, K, HAS_BIAS, HAS_RES, STATS, BLOCK_M)

@@ -19,7 +19,8 @@ from fused_preact.ops.spec import BNMode, ConvGeom
 from fused_preact.ops.triton import kernels_bn as BK
 from fused_preact.ops.triton import kernels_conv as CK
 from fused_preact.ops.triton import kernels_fprop as FK
-from fused_preact.ops.triton.configs import FOLD_BLOCK, GemmConfig, UnitPlan, one_step_tile, p2
+from fused_preact.ops.triton import kernels_halo as HK
+from fused_preact.ops.triton.configs import FOLD_BLOCK, GemmConfig, UnitPlan, halo_rows, one_step_tile, p2
 
 __all__ = ["Launch", "recording", "magic", "stats_partial", "finalize", "fprop", "dgrad", "wgrad", "dx"]
 
@@ -171,6 +172,11 @@ def fprop(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Tensor, 
     shortcut, or a residual tensor passed as ``x0``). ``quad``: x's channels taken in quads, ``w``'s
     input channels given in that order (``configs.quad_channels``, ``plan.mma_weight``)."""
     g, cfg = u.geom, u.fcfg
+    if cfg.halo:
+        if proj_w is not None or quad:
+            raise ValueError("fprop: the staged-halo tile takes no projection and no quad channels")
+        return _fprop_halo(u, x=x, w=w, pack=pack, bias=bias, y=y, part=part, cdtype=cdtype, idx64=idx64,
+                           res=x0 if residual else None, res_strides=x0_strides, name=name)
     K = u.out_shape[1]
     grid = (triton.cdiv(u.M_out, cfg.BLOCK_M), triton.cdiv(K // g.groups, cfg.BLOCK_N), g.groups)
     C2 = x0_shape[1]
@@ -195,6 +201,42 @@ def fprop(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Tensor, 
         _record(name, FK._fprop_kernel, grid, args, kw)
     else:
         FK._fprop_kernel[grid](*args, **kw)
+
+
+def _fprop_halo(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Tensor, bias: Optional[torch.Tensor],
+                y: torch.Tensor, part: Optional[torch.Tensor], cdtype: torch.dtype, idx64: bool,
+                res: Optional[torch.Tensor], res_strides, name: str) -> None:
+    """:func:`fprop` through the staged halo (``kernels_halo``; ``u.fcfg.halo``): an x of
+    ``u.fcfg.BLOCK_K`` channels (16-bit, or fp32 under autocast), groups 1, 16-bit compute. Allocates the
+    staging buffer (``halo_rows`` padded input pixels per program in the operand dtype; freed after
+    the launch, to the caching allocator).
+
+    Raises:
+        ValueError: the unit is not one the kernel takes (fp32 compute, groups, channels ≠ BLOCK_K).
+    """
+    g, cfg = u.geom, u.fcfg
+    N, C, H, W = u.in_shape
+    K = u.out_shape[1]
+    if cdtype == torch.float32 or g.groups != 1 or C != cfg.BLOCK_K:
+        raise ValueError(f"fprop: the staged-halo tile {cfg.label()} does not take {C} channels, groups {g.groups}, "
+                         f"compute dtype {cdtype}")
+    tiles = triton.cdiv(u.M_out, cfg.BLOCK_M)
+    halo = halo_rows(u.in_shape, u.out_shape, g, cfg.BLOCK_M)
+    # the operand dtype (fp32 for bf16 under the interpreter, whose bf16 dots are wrong)
+    stage_dtype = torch.float32 if dot_dtype(cdtype) == dot_dtype(torch.float32) else cdtype
+    stage = torch.empty(tiles * halo * C, device=x.device, dtype=stage_dtype)
+    grid = (tiles, triton.cdiv(K, cfg.BLOCK_N))
+    args = (x, *u.in_strides, w, *w.stride(), pack, bias, res, *res_strides, stage, y, *u.out_strides, part, u.M_out)
+    kw = dict(H=H, W=W, C=C, P=u.out_shape[2], Q=u.out_shape[3], K=K, HALO=halo, R_LOOP=g.kernel[0],
+              R=g.kernel[0], S=g.kernel[1], STRIDE_H=g.stride[0], STRIDE_W=g.stride[1], PAD_H=g.padding[0],
+              PAD_W=g.padding[1], DIL_H=g.dilation[0], DIL_W=g.dilation[1], HAS_BIAS=bias is not None,
+              HAS_RES=res is not None, STATS=part is not None, **_dot(cdtype, idx64), PRO16=_pro16(cdtype),
+              EVEN_N=K % cfg.BLOCK_N == 0, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+              STAGE_ROWS=128, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if _recorder is not None:
+        _record(name, HK._fprop_halo_kernel, grid, args, kw)
+    else:
+        HK._fprop_halo_kernel[grid](*args, **kw)
 
 
 # ----------------------------------------------------------------------------------------- dgrad

@@ -142,7 +142,8 @@ class TritonPlan:
         the ``kind`` kernel of the conv ``g`` reading unit i's input: arch; taps: g's R·S; x32: under
         16-bit compute the launch reads fp32 activations — unit i's input (the chain's, i = 0) or, for
         fprop, the residual the last unit adds (assumed of the chain input's dtype); for fprop proj:
-        the launch adds the projection shortcut (the last unit's); for wgrad strided; for dgrad slots
+        the launch adds the projection shortcut (the last unit's) and halo: g admits the staged-halo
+        kernel (groups 1; :func:`~.configs.halo_fprop` decides the rest); for wgrad strided; for dgrad slots
         (:func:`dgrad_slots`) and res: the launch adds the identity shortcut's gradient to dx."""
         autocast = self.x_dtype == torch.float32 and self.cdtype != torch.float32
         taps = g.kernel[0] * g.kernel[1]
@@ -150,7 +151,8 @@ class TritonPlan:
             last = i == len(self.spec.convs) - 1
             last_adds = last and self.spec.residual != "none"
             proj = last and self.spec.proj is not None and self.spec.proj_out == "add" and g is not self.spec.proj
-            return dict(arch=self.arch, x32=autocast and (i == 0 or last_adds), taps=taps, proj=proj)
+            return dict(arch=self.arch, x32=autocast and (i == 0 or last_adds), taps=taps, proj=proj,
+                        halo=g.groups == 1 and g is not self.spec.proj)
         if kind == "dgrad":  # res: the launch adds the identity shortcut's gradient (unit 0, dx written)
             res = i == 0 and self.spec.residual == "input" and self.modes[0].kind != BATCH
             return dict(slots=dgrad_slots(g, g.out_channels // g.groups, self.cdtype), arch=self.arch,
@@ -285,7 +287,7 @@ class TritonPlan:
             part = self.aux_view(aux, "outpart")
         elif u.stats_out:
             part = self.aux_view(aux, f"part{i + 1}")
-        quad = quad_channels(xin.dtype, self.cdtype, u.in_shape[1] // u.geom.groups)
+        quad = quad_channels(xin.dtype, self.cdtype, u.in_shape[1] // u.geom.groups) and not u.fcfg.halo
         args = dict(x=xin, w=mma_weight(t.weights[i], self.cdtype, quad), pack=self.aux_view(aux, f"pack{i}"), bias=t.biases[i],
                     y=dst, part=part, cdtype=self.cdtype, idx64=self.idx64, x0_shape=self.x_shape, quad=quad)
         proj = last and spec.proj is not None and spec.proj_out == "add"
