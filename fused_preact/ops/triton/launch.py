@@ -170,7 +170,12 @@ def fprop(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Tensor, 
     per-tile (mean, M2) of the stored y; ``proj_w`` adds a 1×1 stride-``proj_stride`` projection of
     ``relu(bn_0(x0))`` (``pack0``) to the accumulator; ``residual`` adds ``x0`` itself (identity
     shortcut, or a residual tensor passed as ``x0``). ``quad``: x's channels taken in quads, ``w``'s
-    input channels given in that order (``configs.quad_channels``, ``plan.mma_weight``)."""
+    input channels given in that order (``configs.quad_channels``, ``plan.mma_weight``). A halo tile
+    (``u.fcfg.halo``) runs the staged-halo kernel instead (:func:`_fprop_halo`).
+
+    Raises:
+        ValueError: a halo tile with a projection or quad channels, or a unit it does not take.
+    """
     g, cfg = u.geom, u.fcfg
     if cfg.halo:
         if proj_w is not None or quad:
