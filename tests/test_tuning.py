@@ -375,6 +375,11 @@ def test_dgrad_takes_a_filter_row_per_step_for_narrow_outputs(monkeypatch):
     assert tile(64, 16, 4, 90)[0] == 64 and tile(32, 32, 1, 90, dtype=torch.float32)[0] == 64
     cands = candidates("dgrad", 10**6, 32, 32, torch.bfloat16, arch=90, slots=2)
     assert cands and all(c.slots == 2 and c.BLOCK_K == 64 and c.BLOCK_M == 256 for c in cands)
+    # two pipeline stages for sm_80-class filter-row steps over 16 output channels, also a candidate there
+    stages = lambda Cg, slots, arch: configs.dgrad_config(10**6, Cg, 16, torch.float16, slots, arch).num_stages  # noqa: E731
+    assert [stages(16, 4, 80), stages(16, 4, 86), stages(16, 4, 90), stages(32, 4, 80), stages(16, 1, 80)] == [2, 2, 3, 3, 3]
+    assert configs.dgrad_config(10**6, 16, 16, torch.bfloat16, 4, 80) in candidates("dgrad", 10**6, 16, 16, torch.bfloat16,
+                                                                                     arch=80, slots=4)
 
 
 def test_tuning_can_be_disabled(monkeypatch):
