@@ -27,7 +27,7 @@ from fused_preact import FusedBNReLUConv2d, FusedPreActBlock
 from fused_preact.models import PreActBlock
 from fused_preact.ops.spec import ConvGeom
 from fused_preact.ops.triton import launch
-from fused_preact.ops.triton.configs import GemmConfig, candidates, fprop_config, halo_config, halo_rows, p2
+from fused_preact.ops.triton.configs import GemmConfig, candidates, fprop_config, halo_config, halo_geometry, halo_rows, p2
 
 
 class _Spy:
@@ -47,13 +47,13 @@ class _Spy:
 
 
 def _force_halo(monkeypatch, block_m: int) -> list:
-    """Every fprop the halo kernel takes (16-bit compute, groups 1, several taps, 16 or 32 input
-    channels, no projection beside it) runs on a ``block_m``-row halo tile; the others keep their
+    """Every fprop of 16-bit compute over several taps and 16 or 32 input channels (groups 1 in these
+    tests) without a projection beside it runs on a ``block_m``-row halo tile; the others keep their
     default tiles."""
     original = triton_plans.fprop_config
 
     def config(M, Kg, Cg, dtype, stats, arch=0, x32=False, taps=1, proj=False, halo=False):
-        if halo and taps > 1 and Cg in (16, 32) and dtype != torch.float32 and not proj:
+        if taps > 1 and Cg in (16, 32) and dtype != torch.float32 and not proj:  # (the GPU tiles' staging bound aside)
             return GemmConfig(block_m, p2(Kg, 16, 32), Cg, halo=True)
         return original(M, Kg, Cg, dtype, stats, arch, x32, taps, proj, halo)
 
@@ -64,26 +64,29 @@ def _force_halo(monkeypatch, block_m: int) -> list:
     return seen
 
 
-# (N, C, H, W, K, R, stride, padding, dilation, groups), rows per tile: a 3×3 with padding over 16
-# channels; stride 2 with 24 output channels (not a multiple of the tile's 32); dilation 2 with padding
-# 2 over a non-square image and a K of 8; 32 channels on 30-pixel images, 64-row tiles that span three
-# images; a 1×3 filter (one accumulator less per filter row).
+# (N, C, H, W, K, R, stride, padding, dilation, groups), rows per tile, channels_last: a 3×3 with
+# padding over 16 channels; stride 2 with 24 output channels (not a multiple of the tile's 32);
+# dilation 2 with padding 2 over a non-square image and a K of 8; 32 channels on 30-pixel images,
+# 64-row tiles that span three images; no padding, in NCHW; stride 3.
 SHAPES = [
-    ((2, 16, 7, 7, 16, 3, 1, 1, 1, 1), 16),
-    ((2, 16, 9, 9, 24, 3, 2, 1, 1, 1), 32),
-    ((2, 16, 9, 7, 8, 3, 1, 2, 2, 1), 16),
-    ((3, 32, 5, 6, 16, 3, 1, 1, 1, 1), 64),
+    ((2, 16, 7, 7, 16, 3, 1, 1, 1, 1), 16, True),
+    ((2, 16, 9, 9, 24, 3, 2, 1, 1, 1), 32, True),
+    ((2, 16, 9, 7, 8, 3, 1, 2, 2, 1), 16, True),
+    ((3, 32, 5, 6, 16, 3, 1, 1, 1, 1), 64, True),
+    ((2, 16, 7, 8, 16, 3, 1, 0, 1, 1), 16, False),
+    ((2, 16, 10, 11, 16, 3, 3, 1, 1, 1), 16, True),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("shape, block_m", SHAPES, ids=["3x3", "strided", "dilated", "c32-images"])
-def test_halo_fprop_matches_float64(monkeypatch, shape, block_m, training, dtype):
+@pytest.mark.parametrize("shape, block_m, channels_last", SHAPES,
+                         ids=["3x3", "strided", "dilated", "c32-images", "unpadded-nchw", "stride3"])
+def test_halo_fprop_matches_float64(monkeypatch, shape, block_m, channels_last, training, dtype):
     """Forward, every gradient and the running statistics within the dtype's tolerance of float64 (the
     backward runs the usual kernels; the forward's output and saved statistics come from the halo)."""
     seen = _force_halo(monkeypatch, block_m)
-    _run(shape, training, True, dtype)
+    _run(shape, training, channels_last, dtype)
     assert seen, "the halo kernel did not run"
 
 
@@ -263,6 +266,30 @@ def test_halo_rules(monkeypatch):
     assert not fprop_config(big, 16, 16, torch.float32, True, 90, taps=9, halo=True).halo
     assert not fprop_config(1024, 16, 16, torch.bfloat16, True, 90, taps=9, halo=True).halo  # < 8 tiles
     assert not fprop_config(big, 16, 16, torch.bfloat16, True, 0, taps=9, halo=True).halo  # not a GPU arch
+
+
+def test_halo_geometry():
+    """The geometries the plan offers the halo: groups 1, ≤ 3 taps per filter row, and a staging buffer
+    within :data:`HALO_MAX_STAGED` times the input (PreActResNet-164's 16- and 32-channel 3×3s, stride
+    2 included, fit; a 3×3 over 1024-wide rows or dilated by 16 does not)."""
+    def fits(C, K, H, W, k=(3, 3), stride=1, dilation=1, groups=1, N=128):
+        g = ConvGeom(C, K, k, (stride, stride), (dilation * (k[0] // 2), dilation * (k[1] // 2)), (dilation,) * 2,
+                     groups)
+        P, Q = g.out_hw(H, W)
+        return halo_geometry(g, (N, C, H, W), (N, K, P, Q), 90)
+
+    assert fits(16, 16, 32, 32) and fits(32, 32, 32, 32, stride=2) and fits(32, 32, 16, 16) and fits(16, 32, 32, 32, stride=2)
+    assert fits(16, 16, 32, 32, k=(5, 3)) and not fits(16, 16, 32, 32, k=(3, 5)) and not fits(16, 16, 32, 32, k=(1, 8))
+    assert not fits(32, 32, 32, 32, groups=2)
+    assert not fits(16, 16, 1024, 1024, N=16) and not fits(32, 32, 512, 1024, dilation=16, N=8)
+
+
+def test_halo_launch_refuses_more_outputs_than_its_tile(monkeypatch):
+    """K > BLOCK_N would start several programs per row tile, all writing its staging region."""
+    monkeypatch.setattr(triton_plans, "fprop_config", lambda *a, **k: GemmConfig(16, 16, 16, halo=True))
+    monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
+    with pytest.raises(ValueError, match="staged-halo"):
+        _run((2, 16, 5, 5, 32, 3, 1, 1, 1, 1), True, True, torch.float16)
 
 
 def test_plans_choose_the_halo_for_narrow_convs(monkeypatch):

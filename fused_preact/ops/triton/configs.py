@@ -20,7 +20,8 @@ from fused_preact.ops.spec import BNMode, ConvGeom
 __all__ = ["GemmConfig", "UnitPlan", "fprop_config", "fprop_unroll", "wgrad_unroll", "quad_channels", "dgrad_slots",
            "dgrad_config", "wgrad_config", "candidates", "wgrad_split", "split_for", "arch_of", "p2", "contig_nhwc",
            "out_strides", "nhwc_strides_of", "is_channels_last", "max_offset", "INTERP_SUM_ROWS", "FOLD_BLOCK", "INT32_MAX",
-           "one_step_tile", "LOOP_FREE", "halo_fprop", "halo_config", "halo_rows", "HALO_CHANNELS"]
+           "one_step_tile", "LOOP_FREE", "halo_fprop", "halo_config", "halo_rows", "halo_geometry", "HALO_CHANNELS",
+           "HALO_MAX_STAGED"]
 
 INT32_MAX = 2**31 - 1
 #: Rows per statistics tile under the interpreter: its sums are sequential in fp32, so tiles stay short.
@@ -125,8 +126,8 @@ def fprop_config(M: int, Kg: int, Cg: int, dtype: torch.dtype, stats: bool, arch
     reads fp32 activations under 16-bit compute). On sm_90 a 128-row tile reading fp32 activations
     (``x32``) of a filter of more than one tap (``taps`` = R·S) takes 64 rows: 128×64×64 spills
     8–24 bytes there (static, PreActResNet-20/110's 3×3 64→64 beside the residual); ``proj``: the launch
-    adds a projection shortcut (:func:`fprop_unroll`); ``halo``: the conv may run through the staged
-    halo (groups 1, a 16-bit input), which :func:`halo_fprop` decides. fp32 operands (TF32 MMA) need
+    adds a projection shortcut (:func:`fprop_unroll`); ``halo``: the conv's geometry admits the staged
+    halo (:func:`halo_geometry`), which :func:`halo_fprop` decides. fp32 operands (TF32 MMA) need
     twice the registers: 64×64 tiles."""
     if interpreting():
         return GemmConfig(p2(M, 16, INTERP_SUM_ROWS if stats else 4096), p2(Kg, 16, 256), p2(Cg, 16, 256))
@@ -149,7 +150,7 @@ HALO_CHANNELS = (16, 32)
 
 def halo_fprop(M: int, Kg: int, Cg: int, dtype: torch.dtype, arch: int, taps: int = 1, proj: bool = False) -> bool:
     """Whether fprop runs through the staged halo (:mod:`.kernels_halo`) for an (M × Cg·R·S)·(… × Kg)
-    conv whose geometry admits it (groups 1: the caller's ``halo`` of :func:`fprop_config`): 16-bit
+    conv whose geometry admits it (:func:`halo_geometry`: the caller's ``halo`` of :func:`fprop_config`): 16-bit
     compute on sm_80 or later, a filter of several taps (``taps``), Cg in :data:`HALO_CHANNELS`, at
     most 32 output channels, no projection shortcut beside it (``proj``), and M filling 8 tiles. There
     the implicit GEMM transforms each input element once per tap, and one element feeds only Kg MACs;
@@ -159,6 +160,27 @@ def halo_fprop(M: int, Kg: int, Cg: int, dtype: torch.dtype, arch: int, taps: in
     rows = halo_config(Kg, Cg, arch).BLOCK_M if arch >= 80 else 0
     return (dtype in (torch.float16, torch.bfloat16) and arch >= 80 and taps > 1 and Cg in HALO_CHANNELS
             and Kg <= 32 and not proj and M >= 8 * rows)
+
+
+#: Staged pixels a halo fprop may hold, per input pixel (all programs together): 3, so the buffer stays
+#: within three times the input and a stride-1 tile transforms at most 3 pixels per output pixel.
+HALO_MAX_STAGED = 3
+
+
+def halo_geometry(g: ConvGeom, in_shape, out_shape, arch: int) -> bool:
+    """Whether a conv's geometry admits the staged-halo fprop (the plan's ``halo`` for
+    :func:`fprop_config`): groups 1; at most 3 taps per filter row (the loop holds a filter row's
+    taps in shared memory at once: a 1×8 32→32 takes 245,760 bytes on sm_90, over its 232,448); and
+    the staging buffer, ``cdiv(M, rows)·halo_rows`` pixels, at most :data:`HALO_MAX_STAGED` times the
+    input's N·H·W pixels — image rows much wider than a tile, or a dilated filter, stage far more
+    pixels than the tile outputs (a 3×3 over 1024-wide rows: 9 per output pixel, no gain)."""
+    N, C, H, W = in_shape
+    K = out_shape[1]
+    if g.groups != 1 or g.kernel[1] > 3:
+        return False
+    rows = halo_config(K, C, arch).BLOCK_M
+    tiles = triton.cdiv(N * out_shape[2] * out_shape[3], rows)
+    return tiles * halo_rows(in_shape, out_shape, g, rows) <= HALO_MAX_STAGED * N * H * W
 
 
 def halo_config(Kg: int, Cg: int, arch: int) -> GemmConfig:

@@ -217,14 +217,16 @@ def _fprop_halo(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Te
     the launch, to the caching allocator).
 
     Raises:
-        ValueError: the unit is not one the kernel takes (fp32 compute, groups, channels ≠ BLOCK_K).
+        ValueError: the unit is not one the kernel takes (fp32 compute, groups, channels ≠ BLOCK_K,
+            output channels > BLOCK_N).
     """
     g, cfg = u.geom, u.fcfg
     N, C, H, W = u.in_shape
     K = u.out_shape[1]
-    if cdtype == torch.float32 or g.groups != 1 or C != cfg.BLOCK_K:
-        raise ValueError(f"fprop: the staged-halo tile {cfg.label()} does not take {C} channels, groups {g.groups}, "
-                         f"compute dtype {cdtype}")
+    if cdtype == torch.float32 or g.groups != 1 or C != cfg.BLOCK_K or K > cfg.BLOCK_N:
+        # (K > BLOCK_N: programs of one row tile would share, and race on, its staging region)
+        raise ValueError(f"fprop: the staged-halo tile {cfg.label()} does not take {C} → {K} channels, groups "
+                         f"{g.groups}, compute dtype {cdtype}")
     tiles = triton.cdiv(u.M_out, cfg.BLOCK_M)
     halo = halo_rows(u.in_shape, u.out_shape, g, cfg.BLOCK_M)
     # the operand dtype (fp32 for bf16 under the interpreter, whose bf16 dots are wrong)

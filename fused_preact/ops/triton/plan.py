@@ -47,6 +47,7 @@ from fused_preact.ops.triton.configs import (
     dgrad_config,
     dgrad_slots,
     fprop_config,
+    halo_geometry,
     is_channels_last,
     max_offset,
     nhwc_strides_of,
@@ -111,6 +112,7 @@ class TritonPlan:
             N, _, H, W = shapes[-1]
             shapes.append((N, g.out_channels, *g.out_hw(H, W)))
         self.out_shape = shapes[-1]
+        self.shapes = shapes  # every unit's input shape, then the output's
         self.units: list[UnitPlan] = []
         for i, g in enumerate(spec.convs):
             last = i == n - 1
@@ -143,7 +145,8 @@ class TritonPlan:
         16-bit compute the launch reads fp32 activations — unit i's input (the chain's, i = 0) or, for
         fprop, the residual the last unit adds (assumed of the chain input's dtype); for fprop proj:
         the launch adds the projection shortcut (the last unit's) and halo: g admits the staged-halo
-        kernel (groups 1; :func:`~.configs.halo_fprop` decides the rest); for wgrad strided; for dgrad slots
+        kernel (:func:`~.configs.halo_geometry`; :func:`~.configs.halo_fprop` decides the rest); for wgrad
+        strided; for dgrad slots
         (:func:`dgrad_slots`) and res: the launch adds the identity shortcut's gradient to dx."""
         autocast = self.x_dtype == torch.float32 and self.cdtype != torch.float32
         taps = g.kernel[0] * g.kernel[1]
@@ -151,8 +154,8 @@ class TritonPlan:
             last = i == len(self.spec.convs) - 1
             last_adds = last and self.spec.residual != "none"
             proj = last and self.spec.proj is not None and self.spec.proj_out == "add" and g is not self.spec.proj
-            return dict(arch=self.arch, x32=autocast and (i == 0 or last_adds), taps=taps, proj=proj,
-                        halo=g.groups == 1 and g is not self.spec.proj)
+            halo = g is not self.spec.proj and halo_geometry(g, self.shapes[i], self.shapes[i + 1], self.arch)
+            return dict(arch=self.arch, x32=autocast and (i == 0 or last_adds), taps=taps, proj=proj, halo=halo)
         if kind == "dgrad":  # res: the launch adds the identity shortcut's gradient (unit 0, dx written)
             res = i == 0 and self.spec.residual == "input" and self.modes[0].kind != BATCH
             return dict(slots=dgrad_slots(g, g.out_channels // g.groups, self.cdtype), arch=self.arch,
