@@ -221,7 +221,7 @@ def _fprop_halo(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Te
             output channels > BLOCK_N).
     """
     g, cfg = u.geom, u.fcfg
-    N, C, H, W = u.in_shape
+    _, C, H, W = u.in_shape
     K = u.out_shape[1]
     if cdtype == torch.float32 or g.groups != 1 or C != cfg.BLOCK_K or K > cfg.BLOCK_N:
         # (K > BLOCK_N: programs of one row tile would share, and race on, its staging region)
