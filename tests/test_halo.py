@@ -131,12 +131,9 @@ def test_block_through_the_halo_is_within_eager(monkeypatch):
     assert len(seen) == 4  # two 3×3 convs per forward, two draws
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
-@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-def test_halo_nonfinite_pattern_matches_eager(monkeypatch, value, train):
-    """A NaN or ±inf input element: the halo's output has eager's (float64) NaN/±inf pattern — a
-    non-finite pre-activation reaches exactly the outputs whose taps read it, padded taps stay 0."""
-    seen = _force_halo(monkeypatch, 16)
+def positive_blocks() -> tuple:
+    """A fused 16→16 block whose BatchNorm buffers and parameters are positive (seeded), and its
+    float64 eager twin: where a non-finite input reaches is then eager's pattern, not cancellation's."""
     torch.manual_seed(0)
     fused = FusedPreActBlock(16, 16, backend="triton")
     for b in fused.buffers():
@@ -146,6 +143,16 @@ def test_halo_nonfinite_pattern_matches_eager(monkeypatch, value, train):
         p.data.normal_(0.5, 0.5)
     eager = PreActBlock(16, 16).double()
     eager.load_state_dict(fused.state_dict())
+    return fused, eager
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_halo_nonfinite_pattern_matches_eager(monkeypatch, value, train):
+    """A NaN or ±inf input element: the halo's output has eager's (float64) NaN/±inf pattern — a
+    non-finite pre-activation reaches exactly the outputs whose taps read it, padded taps stay 0."""
+    seen = _force_halo(monkeypatch, 16)
+    fused, eager = positive_blocks()
     fused = fused.to(DEVICE, torch.float16).to(memory_format=torch.channels_last).train(train)
     eager.train(train)
     x = torch.randn(2, 16, 6, 6)
@@ -158,12 +165,10 @@ def test_halo_nonfinite_pattern_matches_eager(monkeypatch, value, train):
         assert not torch.isfinite(ye).all()  # the patterns compared are not all-finite: the test can fail
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_autocast_block_through_the_halo(monkeypatch, dtype):
-    """Mixed precision (fp32 parameters and input, autocast): conv1 stages the fp32 input through the
-    fp32 transform, rounded once to the operand dtype; conv2 stages its 16-bit input and adds the fp32
-    residual. Output and every gradient within the 16-bit tolerance of float64."""
-    seen = _force_halo(monkeypatch, 32)
+def autocast_block(dtype: torch.dtype, shape: tuple) -> None:
+    """Mixed precision (fp32 parameters and input of ``shape``, autocast to ``dtype``) through a 16→16
+    FusedPreActBlock: output (fp32: conv2's plus the fp32 input) and every gradient within the 16-bit
+    tolerance of float64 (the halo kernels' tests)."""
     torch.manual_seed(3)  # (seed 2 puts ReLU kinks where fp16 rounding flips them: conv1's dW 1.4e-2 off, the
     # implicit GEMM's tiles alike)
     fused = FusedPreActBlock(16, 16, backend="triton")
@@ -172,7 +177,7 @@ def test_autocast_block_through_the_halo(monkeypatch, dtype):
     eager64.load_state_dict(fused.state_dict())
     eager64 = eager64.double()
     fused = fused.to(DEVICE)
-    x = torch.randn(2, 16, 6, 7) * 2 + 0.5
+    x = torch.randn(*shape) * 2 + 0.5
     xf = x.to(DEVICE, copy=True).requires_grad_()
     x64 = x.double().requires_grad_()
     with torch.autocast(DEVICE, dtype=dtype):
@@ -186,16 +191,23 @@ def test_autocast_block_through_the_halo(monkeypatch, dtype):
     assert_close(xf.grad, x64.grad, dtype, "grad x")
     for (name, p), (_, p64) in zip(fused.named_parameters(), eager64.named_parameters()):
         assert_close(p.grad, p64.grad, dtype, f"grad {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_autocast_block_through_the_halo(monkeypatch, dtype):
+    """Mixed precision (:func:`autocast_block`): conv1 stages the fp32 input through the fp32
+    transform, rounded once to the operand dtype; conv2 stages its 16-bit input and adds the fp32
+    residual."""
+    seen = _force_halo(monkeypatch, 32)
+    autocast_block(dtype, (2, 16, 6, 7))
     assert len(seen) == 2
 
 
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16], ids=["fp32-autocast", "fp16"])
-def test_halo_scales_fp16_vectors_out_of_range(monkeypatch, x_dtype):
-    """fp16 operands whose BatchNorm vectors leave fp16's range: an fp32 input under autocast with a
-    scale γ/σ beyond 65504 (the vectors scaled down by 2^e, e > 0), and an fp16 input of spread 1e3 whose
-    scale is below 1/4 (scaled up, e < 0); the accumulator scaled back. Within fp16's tolerance of
-    float64."""
-    seen = _force_halo(monkeypatch, 16)
+def fp16_vectors_out_of_range(x_dtype: torch.dtype, shape: tuple) -> None:
+    """A 3×3 16→16 FusedBNReLUConv2d in fp16 whose BatchNorm vectors leave fp16's range: an fp32 input
+    (``x_dtype``) under autocast with a scale γ/σ beyond 65504 (the vectors scaled down by 2^e, e > 0),
+    or an fp16 input of spread 1e3 whose scale is below 1/4 (scaled up, e < 0), of ``shape``; forward
+    and backward within fp16's tolerance of float64 (the halo kernels' tests)."""
     torch.manual_seed(4)
     fused = FusedBNReLUConv2d(16, 16, 3, padding=1, backend="triton")
     _randomize_bn(fused)
@@ -203,7 +215,7 @@ def test_halo_scales_fp16_vectors_out_of_range(monkeypatch, x_dtype):
     with torch.no_grad():
         fused.bn.weight.mul_(300.0 if big else 1.0)
     eager64 = nn.Sequential(copy.deepcopy(fused.bn), nn.ReLU(), copy.deepcopy(fused.conv)).double()
-    x = torch.randn(2, 16, 6, 5) * (1e-3 if big else 1e3) + 0.5
+    x = torch.randn(*shape) * (1e-3 if big else 1e3) + 0.5
     if big:
         xf = x.to(DEVICE, copy=True).requires_grad_()
         with torch.autocast(DEVICE, dtype=torch.float16):
@@ -217,6 +229,14 @@ def test_halo_scales_fp16_vectors_out_of_range(monkeypatch, x_dtype):
         y = fused(xf)
     x64 = x.double().requires_grad_()
     _check_backward(y, eager64(x64), xf, x64, fused, eager64, torch.float16)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16], ids=["fp32-autocast", "fp16"])
+def test_halo_scales_fp16_vectors_out_of_range(monkeypatch, x_dtype):
+    """fp16 operands whose BatchNorm vectors leave fp16's range (:func:`fp16_vectors_out_of_range`):
+    the staged vectors scaled by 2^−e, the accumulator scaled back."""
+    seen = _force_halo(monkeypatch, 16)
+    fp16_vectors_out_of_range(x_dtype, (2, 16, 6, 5))
     assert seen
 
 

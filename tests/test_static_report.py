@@ -324,7 +324,11 @@ def test_check_accepts_mma_sync_only_where_wgmma_cannot_run():
     hmma = dict(kernel="wgrad", mma=0, mma_by_op={"HMMA": 32}, constexprs={"BLOCK_N": "16"})
     assert limits.check_entries([_entry(**hmma, mma_dots=[dot(16)]), _entry(**hmma, mma_dots=[dot(32), dot(16)]),
                                  _entry(**dict(hmma, kernel="wgrad_proj", constexprs={"BLOCK_N": "32"}),
-                                        mma_dots=[dot(32)])]) == []
+                                        mma_dots=[dot(32)]),
+                                 _entry(**dict(hmma, constexprs={"C": "32", "RPI": "4"}), mma_dots=[dot(32)])]) == []
+    # (the staged-halo wgrad: C, its tile's input channels; C alone is a layer's, not a tile's)
+    assert len(limits.check_entries([_entry(**dict(hmma, constexprs={"C": "16"}), mma_dots=[dot(16)]),
+                                     _entry(**dict(hmma, constexprs={"C": "64", "RPI": "4"}), mma_dots=[dot(16)])])) == 2
     bad = limits.check_entries([_entry(**hmma, mma_dots=[dot(64)]), _entry(**hmma, mma_dots=[dot(16), dot(64)]),
                                 _entry(**hmma), _entry(**hmma, mma_dots=[dot(16, "ttng.warp_group_dot")]),
                                 _entry(**dict(hmma, kernel="fprop"), mma_dots=[dot(16)]),

@@ -232,6 +232,8 @@ def test_narrow_wgrad_tiles(monkeypatch):
                                                                                                 unroll=2)
         assert wgrad_config(64, 16, big, torch.bfloat16, arch=arch) == GemmConfig(64, 16, 128, 1, st)
         assert wgrad_config(64, 16, big, torch.float16, arch=arch) == GemmConfig(64, 16, 128, 1, st)
+        for dtype in (torch.bfloat16, torch.float16):  # a projection's: 256 rows on sm_90
+            assert wgrad_config(64, 16, big, dtype, arch=arch, proj=True).BLOCK_K == (256 if arch >= 90 else 128)
         assert wgrad_config(64, 16, big, torch.bfloat16, arch=arch, x32=True) == GemmConfig(64, 16, 256, 1, st)
         assert wgrad_config(128, 32, big, torch.bfloat16, arch=arch, x32=True) == GemmConfig(128, 32, 128, 2, st)
         # strided: 128 rows (256 a bf16 candidate over 16 channels), with fp32 activations 64
@@ -326,7 +328,8 @@ def test_tiles_of_fp32_activations_over_several_taps(monkeypatch):
     assert plan.tile_args(1, spec.convs[1], "fprop") == dict(arch=90, x32=False, taps=9, proj=True, halo=True)
     assert plan.tile_args(0, spec.convs[0], "fprop") == dict(arch=90, x32=True, taps=9, proj=False, halo=True)
     assert plan.tile_args(0, spec.proj, "fprop")["proj"] is False
-    assert plan.tile_args(0, spec.convs[0]) == dict(arch=90, x32=True, strided=True, taps=9)
+    assert plan.tile_args(0, spec.convs[0]) == dict(arch=90, x32=True, strided=True, taps=9, halo=64, proj=False)
+    assert plan.tile_args(0, spec.proj)["halo"] == 0 and plan.tile_args(0, spec.proj)["proj"]  # (no halo wgrad for it)
 
     # dgrad adding the identity shortcut's gradient (eval mode) over a 3×3: 64 channels wide on sm_90
     # (64×128×64 spills 8 bytes, PreActResNet-18's 3×3 128→128)

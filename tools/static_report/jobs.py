@@ -163,6 +163,9 @@ def _label(rec) -> str:
         return (f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_K']} w{k.get('num_warps', 4)} s{k.get('num_stages', 3)}"
                 + (f" u{k['UNROLL']}" if k.get("UNROLL", 1) != 1 else "")
                 + (f" t{k['SLOTS']}" if k.get("SLOTS", 1) != 1 else "") + (" h" if k.get("STAGE_ROWS") else ""))
+    if "RPI" in k:  # the staged-halo wgrad: BLOCK_N is x's channels
+        return (f"{k['BLOCK_M']}x{k['C']}x{k['BLOCK_R']} w{k.get('num_warps', 4)} s{k.get('num_stages', 3)} h"
+                + (" splitK" if k.get("SPLIT_K") else ""))
     if "BLOCK_R" in k:
         return (f"{k['BLOCK_M']}x{k['BLOCK_N']}x{k['BLOCK_R']} w{k.get('num_warps', 4)} s{k.get('num_stages', 3)}"
                 + (f" u{k['UNROLL']}" if k.get("UNROLL", 1) != 1 else "") + (" splitK" if k.get("SPLIT_K") else ""))

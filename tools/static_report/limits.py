@@ -41,11 +41,13 @@ def _operand_load_problems(e: dict) -> list[str]:
 
 def _narrow_mma_sync(e: dict, arch: int) -> bool:
     """Whether a compilation for sm_90+ is one of the narrow wgrad tiles (``configs._narrow_wgrad_tiles``:
-    a ``wgrad``/``wgrad_proj`` kernel with BLOCK_N ≤ 32) that uses mma.sync (HMMA) because no dot of it
-    can take wgmma: every dot (``mma_dots``, all of them read) has fewer than 64 result rows, wgmma's
-    least M (64 per warpgroup). Any other convolution on HMMA still fails."""
+    a ``wgrad``/``wgrad_proj`` kernel with BLOCK_N ≤ 32; the staged-halo wgrad's C, its tile's input
+    channels, ≤ 32) that uses mma.sync (HMMA) because no dot of it can take wgmma: every dot
+    (``mma_dots``, all of them read) has fewer than 64 result rows, wgmma's least M (64 per
+    warpgroup). Any other convolution on HMMA still fails."""
     dots = e.get("mma_dots") or []
-    block_n = int(str((e.get("constexprs") or {}).get("BLOCK_N", "0")) or 0)
+    const = e.get("constexprs") or {}
+    block_n = int(str(const.get("BLOCK_N", const.get("C", "0") if "RPI" in const else "0")) or 0)
     return (arch >= 90 and e.get("kernel") in ("wgrad", "wgrad_proj") and 0 < block_n <= 32
             and bool(e.get("mma_by_op", {}).get("HMMA")) and bool(dots) and not e.get("mma_dots_unparsed")
             and all(d["op"] == "tt.dot" and d["shape"][0] < 64 for d in dots))

@@ -78,7 +78,8 @@ def mma_utilization(kernel: str, kw: Mapping) -> Optional[float]:
         return None
     groups = int(kw.get("GROUPS", 1))
     Cg, Kg = int(kw["C"]) // groups, int(kw["K"]) // groups
-    bm, bn, bk = int(kw["BLOCK_M"]), int(kw["BLOCK_N"]), int(kw.get("BLOCK_K", 0) or 0)
+    # the staged-halo wgrad (RPI) has no BLOCK_N: its tile takes all of x's channels
+    bm, bn, bk = int(kw["BLOCK_M"]), int(kw["BLOCK_N"] if "RPI" not in kw else kw["C"]), int(kw.get("BLOCK_K", 0) or 0)
     if kernel == "fprop":
         return _fill(Kg, bn) * _fill(Cg, bk)
     if kernel == "dgrad":

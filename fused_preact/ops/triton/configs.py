@@ -211,6 +211,95 @@ def halo_rows(in_shape, out_shape, g: ConvGeom, block_m: int) -> int:
             + (R - 1) * dh * Wp + (S - 1) * dw + 1)
 
 
+def halo_wgrad(Kg: int, Cg: int, dtype: torch.dtype, arch: int, taps: int = 1) -> bool:
+    """Whether wgrad runs through the staged halo (:func:`.kernels_halo._wgrad_halo_kernel`) for a conv
+    whose geometry admits it (:func:`halo_wgrad_rows`, the plan's ``halo``): 16-bit compute on sm_80 or
+    later, several taps, Cg in :data:`HALO_CHANNELS`, at most 32 output channels. There the implicit
+    GEMM transforms each input element once per tap (a 3×3: 9 times) for only Kg MACs each. Static
+    issue ratio (bf16), PreActResNet-164: 3×3 16→16 3.51 → 0.67 on sm_90 and 1.79 → 0.32 on sm_80;
+    3×3 32→32 1.99 → 0.49 and 1.00 → 0.23."""
+    return (dtype in (torch.float16, torch.bfloat16) and arch >= 80 and taps > 1 and Cg in HALO_CHANNELS
+            and Kg <= 32)
+
+
+#: Iterations a halo wgrad program runs at least (each RPI image rows), where the plan picks the split.
+HALO_WGRAD_MIN_ITERS = 4
+
+
+def halo_wgrad_rows(g: ConvGeom, in_shape, out_shape) -> int:
+    """BLOCK_R (output pixels per iteration) of the staged-halo wgrad for conv ``g``, 0 where its geometry
+    does not admit it: groups 1, a filter of at most 3 × 3 (one accumulator per tap), and whole output
+    image rows per iteration — the largest power of two, 128 over 16 input channels or 64 over 32 down
+    to 16, that is a multiple of Q and whose RPI = BLOCK_R / Q image rows divide P (so an iteration
+    stays in one image and each lane's row in the image is fixed); and the staging buffer, for every
+    number of programs :func:`halo_wgrad_split` may pick, at most :data:`HALO_MAX_STAGED` times the
+    input's N·H·W pixels."""
+    N, C, H, W = in_shape
+    _, _, P, Q = out_shape
+    if g.groups != 1 or g.kernel[0] > 3 or g.kernel[1] > 3:
+        return 0
+    rows = 128 if C // g.groups <= 16 else 64
+    while rows >= 16 and (rows % Q or P % (rows // Q)):
+        rows //= 2
+    if rows < 16:
+        return 0
+    # the staging buffer of every split the plan may pick (halo_wgrad_split: 1 to iterations / 4)
+    rpi = rows // Q
+    splits = range(1, max(1, N * P // rpi // HALO_WGRAD_MIN_ITERS) + 1)
+    staged = max(s * halo_wgrad_span(in_shape, out_shape, g, halo_chunk(N * P, rpi, s)) for s in splits)
+    return rows if staged <= HALO_MAX_STAGED * N * H * W else 0
+
+
+def halo_wgrad_config(Kg: int, Cg: int, rows: int) -> GemmConfig:
+    """The staged-halo wgrad's tile: all Kg ≤ 32 output channels (BLOCK_M), BLOCK_N = Cg, ``rows`` output
+    pixels per iteration (:func:`halo_wgrad_rows`), max(BLOCK_M, Cg) / 16 warps (Triton's mma.sync layout
+    takes 16 × 8 per warp along the larger side of the result: more warps would compute it twice), 2
+    stages."""
+    bm = p2(Kg, 16, 32)
+    return GemmConfig(bm, Cg, rows, max(bm, Cg) // 16, 2, halo=True)
+
+
+def halo_wgrad_span(in_shape, out_shape, g: ConvGeom, chunk: int) -> int:
+    """Staged pixels per program of the halo wgrad, whose programs take ``chunk`` consecutive output
+    image rows of the N·P (program i from row i·chunk): the largest span of padded input pixels (index
+    ``(n·Hp + hp)·Wp + wp``) from a program's first row's top-left tap to its last row's last tap. A
+    program starting at image row p0 crosses ``d = (p0 + chunk − 1) // P`` images, each adding
+    ``(Hp − P·stride_h)·Wp``; p0 is a multiple of gcd(chunk, P), so d is largest at
+    ``p0 = P − gcd(chunk, P)`` and smallest at 0."""
+    _, _, H, W = in_shape
+    _, _, P, Q = out_shape
+    (R, S), (sh, sw), (ph, pw), (dh, dw) = g.kernel, g.stride, g.padding, g.dilation
+    Hp, Wp = H + 2 * ph, W + 2 * pw
+    spans = []
+    for p0 in (0, P - math.gcd(chunk, P)):
+        d = (p0 + chunk - 1) // P
+        spans.append((d * (Hp - P * sh) + (chunk - 1) * sh + (R - 1) * dh) * Wp + (Q - 1) * sw + (S - 1) * dw + 1)
+    return max(spans)
+
+
+def halo_wgrad_split(rows_total: int, rpi: int, sms: int) -> int:
+    """Programs of the halo wgrad over ``rows_total`` = N·P output image rows, RPI per iteration: about
+    two per SM (``sms``; 3 where it is 0: the interpreter, so its tests run several), each at least
+    :data:`HALO_WGRAD_MIN_ITERS` iterations — the K-split of its fp32 partials."""
+    iters = rows_total // rpi
+    return max(1, min(2 * sms if sms else 3, iters // HALO_WGRAD_MIN_ITERS))
+
+
+def halo_wgrad_programs(rows_total: int, rpi: int, device: torch.device) -> int:
+    """:func:`halo_wgrad_split` on ``device``: its SM count on a GPU, 0 (3 programs) under the
+    interpreter or on a meta/CPU device."""
+    sms = 0
+    if not interpreting() and device.type == "cuda":
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return halo_wgrad_split(rows_total, rpi, sms)
+
+
+def halo_chunk(rows_total: int, rpi: int, split: int) -> int:
+    """Output image rows per program of a halo wgrad of ``split`` programs: a multiple of ``rpi``, at
+    least ``rows_total / split`` (so ``split`` programs cover the rows; trailing ones may have none)."""
+    return rpi * triton.cdiv(triton.cdiv(rows_total, split), rpi)
+
+
 def _narrow_fprop_rows(M: int, Kg: int, Cg: int, arch: int, x32: bool = False) -> int:
     """Rows of a 16-bit fprop tile over ≤ 16 output and input channels per group (``Kg``, ``Cg``; 0: the
     usual rows), where M = N·P·Q output pixels fill 8 such tiles: 256 (512 on sm_80-class GPUs, ``arch``
@@ -314,7 +403,7 @@ def _narrow_wgrad(arch: int, Cg: int) -> bool:
 
 
 def _narrow_wgrad_tiles(Kg: int, Cg: int, dtype: torch.dtype, arch: int, x32: bool,
-                        strided: bool = False) -> list[GemmConfig]:
+                        strided: bool = False, proj: bool = False) -> list[GemmConfig]:
     """The wgrad tiles :func:`_narrow_wgrad` allows, the default first: BLOCK_N the input channels (16 or
     32), BLOCK_M up to four pieces of them (the kernel's limit) and at most 128 output channels, in
     BLOCK_N / 16 warps: Triton puts every warp of a loop with several dots along the larger dimension of
@@ -331,7 +420,9 @@ def _narrow_wgrad_tiles(Kg: int, Cg: int, dtype: torch.dtype, arch: int, x32: bo
     1.08 at 0.25 (four warps per result) → 1.79, 3×3 32→32 0.80 at 0.5 → 1.00, its stride 2 0.85 at 0.5
     → 1.08, projection beside the 1×1 16→64 0.47 at 0.25 → 0.54; sm_90 (the wgmma tiles before, over 64
     input channels) 3×3 16→16 3.56 at 0.25 → 3.51, 3×3 32→32 1.94 at 0.5 → 1.99, the projection 0.66 at
-    0.25 → 1.03."""
+    0.25 → 1.03. A projection shortcut's wgrad (``proj``) over 16 input channels takes 256 rows on sm_90
+    (bf16 and fp16 alike: no transform beside its loads, where fp16's 256-row tile of the conv beside
+    it spills 8–24 bytes): 1.03 → 0.98."""
     bn = p2(Cg, 16, 32)
     bm = min(p2(Kg, 16, 128), 4 * bn)
     bf16_16 = dtype == torch.bfloat16 and bn == 16
@@ -341,6 +432,8 @@ def _narrow_wgrad_tiles(Kg: int, Cg: int, dtype: torch.dtype, arch: int, x32: bo
         rows = [64] if strided else [256] if bn == 16 else [128]
     elif strided:
         rows = [128, 256] if bf16_16 else [128]
+    elif proj and arch >= 90 and bn == 16:  # a projection's 1×1 (no transform): 256 rows, see the docstring
+        rows = [256, 128, 512] if dtype == torch.bfloat16 else [256, 128]
     elif dtype == torch.bfloat16:
         rows = [128, 256, 512] if bn == 16 else [128, 256]
     else:
@@ -354,7 +447,7 @@ def _narrow_wgrad_tiles(Kg: int, Cg: int, dtype: torch.dtype, arch: int, x32: bo
 
 
 def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x32: bool = False,
-                 strided: bool = False, taps: int = 1) -> GemmConfig:
+                 strided: bool = False, taps: int = 1, halo: int = 0, proj: bool = False) -> GemmConfig:
     """Default wgrad tiles: BLOCK_M over output channels, BLOCK_N over input channels, BLOCK_K over
     the reduction (N·P·Q rows). The kernel computes dWᵀ: BLOCK_N is the MMA's M (64 per warpgroup on
     sm_90, so 64 with 4 warps: one warpgroup, one register A fragment), BLOCK_M its N (up to 128 in
@@ -366,8 +459,12 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x3
     ``x32``: the activations are fp32 under a 16-bit ``dtype``; ``strided``: a conv stride > 1), else 128;
     ``taps``: the filter's R·S (64 rows where fp32 activations meet several taps, :func:`wgrad_unroll`).
     On sm_80 and later GPUs ≤ 32 input channels per group take tiles fitted to them
-    (:func:`_narrow_wgrad_tiles`).
+    (:func:`_narrow_wgrad_tiles`; ``proj``: the conv is a projection shortcut), and where ``halo``
+    (the staged-halo tile's BLOCK_R, :func:`halo_wgrad_rows`; 0: the geometry does not admit it) and
+    :func:`halo_wgrad` allow, the staged-halo tile (:func:`halo_wgrad_config`).
     """
+    if halo and halo_wgrad(Kg, Cg, dtype, arch, taps):
+        return halo_wgrad_config(Kg, Cg, halo)
     if interpreting():  # the kernel holds at most 4 pieces of output channels: BLOCK_M ≤ 4·BLOCK_N
         bm = p2(Kg, 16, 256)
         return GemmConfig(bm, max(p2(Cg, 16, 256), bm // 4), p2(M, 16, 4096))
@@ -375,7 +472,7 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x3
         return GemmConfig(p2(Kg, 16, 64), 64, 32, 4, 4)
     bm = p2(Kg, 16, 128)
     if _narrow_wgrad(arch, Cg):
-        return _narrow_wgrad_tiles(Kg, Cg, dtype, arch, x32, strided)[0]
+        return _narrow_wgrad_tiles(Kg, Cg, dtype, arch, x32, strided, proj)[0]
     if bm <= 64 and _wide_wgrad_rows(arch, dtype, x32, strided, Kg):
         return wgrad_unroll(GemmConfig(bm, 64, 256, 4, 2), dtype, arch, x32, taps)
     rows = 64 if bm > 64 or (bm > 32 and x32 and taps > 1) else 128
@@ -423,16 +520,17 @@ _WGRAD_WIDE = ((64, 64, 256, 4, 2),)
 
 def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int = 0, x32: bool = False,
                strided: bool = False, slots: int = 1, taps: int = 1, proj: bool = False,
-               res: bool = False, halo: bool = False) -> list[GemmConfig]:
+               res: bool = False, halo: int = 0) -> list[GemmConfig]:
     """The pruned tile space of a conv kernel for an (m × k)·(k × n) GEMM (``kind``: fprop, dgrad
     or wgrad; for wgrad m is the output channels, n the input channels, k the rows): blocks clamped to
     the problem (powers of two ≥ 16), duplicates removed. ``arch``: as :func:`fprop_unroll` and
     :func:`wgrad_config`; ``x32``, ``strided``: as :func:`wgrad_config` (its 256-row tiles);
     ``slots``: dgrad's taps per step, :func:`dgrad_slots`; ``taps`` (R·S), ``proj``, ``res``: as
-    :func:`fprop_config`, :func:`wgrad_unroll` and :func:`dgrad_config`. wgrad on sm_80 and later over ≤ 32 input
-    channels also takes tiles fitted to them (:func:`_narrow_wgrad`), fprop over ≤ 16 channels more
-    rows (:func:`_narrow_fprop_rows`) and, where ``halo`` (as :func:`fprop_config`) and
-    :func:`halo_fprop` admit it, the staged-halo tile."""
+    :func:`fprop_config`, :func:`wgrad_config`, :func:`wgrad_unroll` and :func:`dgrad_config`. wgrad
+    on sm_80 and later over ≤ 32 input channels also takes tiles fitted to them (:func:`_narrow_wgrad`),
+    fprop over ≤ 16 channels more
+    rows (:func:`_narrow_fprop_rows`) and, where ``halo`` (as :func:`fprop_config`, and for wgrad
+    :func:`wgrad_config`) and :func:`halo_fprop` or :func:`halo_wgrad` admit it, the staged-halo tile."""
     half = 2 if dtype == torch.float32 else 1
     space = {"fprop": _FPROP_SPACE, "dgrad": _DGRAD_SPACE, "wgrad": _WGRAD_SPACE}[kind]
     if kind == "wgrad" and m <= 64 and _wide_wgrad_rows(arch, dtype, x32, strided, m):
@@ -462,12 +560,14 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int 
         if cfg not in out:
             out.append(cfg)
     if kind == "wgrad" and half == 1 and _narrow_wgrad(arch, n):
-        out += [cfg for cfg in _narrow_wgrad_tiles(m, n, dtype, arch, x32, strided) if cfg not in out]
+        out += [cfg for cfg in _narrow_wgrad_tiles(m, n, dtype, arch, x32, strided, proj) if cfg not in out]
     if kind == "fprop" and half == 1 and _narrow_fprop_rows(m, n, k, arch, x32):
         cfg = fprop_config(m, n, k, dtype, False, arch, x32, taps, proj)  # the default's rows
         out += [cfg] if cfg not in out else []
     if kind == "fprop" and halo and halo_fprop(m, n, k, dtype, arch, taps, proj):
         out.append(halo_config(n, k, arch))
+    if kind == "wgrad" and halo and halo_wgrad(m, n, dtype, arch, taps):
+        out.append(halo_wgrad_config(m, n, halo))
     if kind == "dgrad" and half == 1 and slots > 1 and not interpreting():
         cfg = dgrad_config(m, n, k, dtype, slots, arch, taps, res)
         out += [cfg] if cfg.num_stages == 2 and cfg not in out else []

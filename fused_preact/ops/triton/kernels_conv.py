@@ -30,7 +30,16 @@ Source of the dataflow: docs/design.md; semantics: ``F.batch_norm`` → ``F.relu
 from __future__ import annotations
 
 from fused_preact.ops._common import tl, triton
-from fused_preact.ops.triton.kernels_grad import _both_below, _cdiv_signed, _dw_piece, _dy_piece, _frac_range, _round_to, _udiv
+from fused_preact.ops.triton.kernels_grad import (
+    _both_below,
+    _cdiv_signed,
+    _dw_piece,
+    _dy_piece,
+    _fold_sums,
+    _frac_range,
+    _round_to,
+    _udiv,
+)
 from fused_preact.ops.triton.prologue16 import _channel_exponent, _pow2, _preact16_t, _relu_round, _vectors16_of
 
 # Rows of a pack: per-channel fp32 vectors of one BatchNorm, written by the finalize kernel.
@@ -396,7 +405,7 @@ def _wgrad_tile(
 ):
     """One (k-block, c-block, tap, group, split) tile of ``dW[k, c, r, s] = Σ_m dy[m, k] ·
     relu(x[pix(m,r,s), c]·scale[c] + shift[c])`` over rows ``[split·CHUNK, (split+1)·CHUNK)``: stored in
-    the weight's dtype and strides without SPLIT_K, else (split-K) as fp32 partials ``dw[split, k, c, r, s]``
+    the weight's dtype and strides without SPLIT_K, else (split-K) as fp32 partials ``dw[split, r, s, k, c]``
     (the number of splits is the grid's; a runtime value, so it costs no compilation of its own).
 
     Computed transposed, ``dWᵀ[c, k] = Σ_m aᵀ[c, m] · dy[m, k]``: the transformed activation is the
@@ -604,12 +613,9 @@ def _wgrad_kernel(
     """Two roles in one launch (1-D grid), each needing only what the dgrad launch before it wrote.
 
     Programs ``[0, NUM_WGRAD)``: :func:`_wgrad_tile` of the conv (x, dy, its geometry).
-    The remaining programs fold the dgrad tiles' partial Σdz, Σdz·x̂ (``num_parts`` rows of ``psum``,
-    in order: deterministic) for BLOCK_C channels each. SUM_MODE 1 (batch statistics): dβ = Σdz and
-    dγ = Σdz·x̂ (in their pointers' dtypes, with HAS_GAMMA) and the dx coefficients
-    ``coef = (Σdz, Σdz·x̂)·inv_count``. SUM_MODE 2 (statistics given from outside, e.g. synchronized
-    BN): dβ, dγ and the gradients of the statistics in ``coef``: ∂L/∂mean = −scale·Σdz,
-    ∂L/∂invstd = γ·Σdz·x̂/invstd. SUM_MODE 0: no sums (a projection shortcut's own wgrad launch).
+    The remaining programs fold the dgrad tiles' partial Σdz, Σdz·x̂ for BLOCK_C channels each
+    (:func:`.kernels_grad._fold_sums`; SUM_MODE 1: batch statistics, 2: statistics given from outside,
+    0: no sums, a projection shortcut's own wgrad launch).
     """
     pid = tl.program_id(0)
     if pid < NUM_WGRAD:
@@ -618,24 +624,5 @@ def _wgrad_kernel(
                     STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SPLIT_K, LINEAR, EVEN_M, EVEN_K, EVEN_C,
                     DOT_DTYPE, INPUT_PRECISION, IDX64, PRO16, PTX, BLOCK_M, BLOCK_N, BLOCK_R, UNROLL)
     elif SUM_MODE != 0:
-        cols = (pid - NUM_WGRAD) * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = cols < C
-        s_dz = tl.zeros([BLOCK_C], dtype=tl.float32)
-        s_dzx = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for p0 in range(0, num_parts, BLOCK_P):
-            parts = p0 + tl.arange(0, BLOCK_P)
-            pmask = (parts < num_parts)[:, None] & cmask[None, :]
-            rows = psum_ptr + parts.to(tl.int64)[:, None] * (2 * C) + cols[None, :]
-            s_dz += tl.sum(tl.load(rows, mask=pmask, other=0.0), axis=0)
-            s_dzx += tl.sum(tl.load(rows + C, mask=pmask, other=0.0), axis=0)
-        if HAS_GAMMA:
-            tl.store(gbeta_ptr + cols, s_dz.to(gbeta_ptr.dtype.element_ty), mask=cmask)
-            tl.store(ggamma_ptr + cols, s_dzx.to(ggamma_ptr.dtype.element_ty), mask=cmask)
-        if SUM_MODE == 1:
-            tl.store(coef_ptr + cols, s_dz * inv_count, mask=cmask)
-            tl.store(coef_ptr + C + cols, s_dzx * inv_count, mask=cmask)
-        else:
-            istd = tl.load(pack_ptr + 2 * C + cols, mask=cmask, other=1.0)
-            sc = tl.load(pack_ptr + 3 * C + cols, mask=cmask, other=0.0)
-            tl.store(coef_ptr + cols, -sc * s_dz, mask=cmask)
-            tl.store(coef_ptr + C + cols, (sc / istd) * s_dzx / istd, mask=cmask)
+        _fold_sums(pack_ptr, psum_ptr, num_parts, gbeta_ptr, ggamma_ptr, coef_ptr, inv_count, C, pid - NUM_WGRAD,
+                   SUM_MODE, HAS_GAMMA, BLOCK_C, BLOCK_P)

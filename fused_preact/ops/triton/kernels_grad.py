@@ -109,3 +109,35 @@ def _round_to(v, DTYPE: tl.constexpr, ASM: tl.constexpr):
                                          is_pure=True, pack=2)
     else:
         return v.to(DTYPE)
+
+
+@triton.jit
+def _fold_sums(pack_ptr, psum_ptr, num_parts, gbeta_ptr, ggamma_ptr, coef_ptr, inv_count, C, block,
+               SUM_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The wgrad launches' fold role, for channels ``[block·BLOCK_C, (block + 1)·BLOCK_C)``: the dgrad
+    tiles' partial Σdz, Σdz·x̂ (``num_parts`` rows of ``psum``, summed in order: deterministic) into
+    SUM_MODE 1 (batch statistics): dβ = Σdz and dγ = Σdz·x̂ (in their pointers' dtypes, with HAS_GAMMA)
+    and the dx coefficients ``coef = (Σdz, Σdz·x̂)·inv_count``; SUM_MODE 2 (statistics given from
+    outside, e.g. synchronized BN): dβ, dγ and the gradients of the statistics in ``coef``:
+    ∂L/∂mean = −scale·Σdz, ∂L/∂invstd = γ·Σdz·x̂/invstd."""
+    cols = block * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    s_dz = tl.zeros([BLOCK_C], dtype=tl.float32)
+    s_dzx = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for p0 in range(0, num_parts, BLOCK_P):
+        parts = p0 + tl.arange(0, BLOCK_P)
+        pmask = (parts < num_parts)[:, None] & cmask[None, :]
+        rows = psum_ptr + parts.to(tl.int64)[:, None] * (2 * C) + cols[None, :]
+        s_dz += tl.sum(tl.load(rows, mask=pmask, other=0.0), axis=0)
+        s_dzx += tl.sum(tl.load(rows + C, mask=pmask, other=0.0), axis=0)
+    if HAS_GAMMA:
+        tl.store(gbeta_ptr + cols, s_dz.to(gbeta_ptr.dtype.element_ty), mask=cmask)
+        tl.store(ggamma_ptr + cols, s_dzx.to(ggamma_ptr.dtype.element_ty), mask=cmask)
+    if SUM_MODE == 1:
+        tl.store(coef_ptr + cols, s_dz * inv_count, mask=cmask)
+        tl.store(coef_ptr + C + cols, s_dzx * inv_count, mask=cmask)
+    else:
+        istd = tl.load(pack_ptr + 2 * C + cols, mask=cmask, other=1.0)
+        sc = tl.load(pack_ptr + 3 * C + cols, mask=cmask, other=0.0)
+        tl.store(coef_ptr + cols, -sc * s_dz, mask=cmask)
+        tl.store(coef_ptr + C + cols, (sc / istd) * s_dzx / istd, mask=cmask)

@@ -20,7 +20,16 @@ from fused_preact.ops.triton import kernels_bn as BK
 from fused_preact.ops.triton import kernels_conv as CK
 from fused_preact.ops.triton import kernels_fprop as FK
 from fused_preact.ops.triton import kernels_halo as HK
-from fused_preact.ops.triton.configs import FOLD_BLOCK, GemmConfig, UnitPlan, halo_rows, one_step_tile, p2
+from fused_preact.ops.triton.configs import (
+    FOLD_BLOCK,
+    GemmConfig,
+    UnitPlan,
+    halo_chunk,
+    halo_rows,
+    halo_wgrad_span,
+    one_step_tile,
+    p2,
+)
 
 __all__ = ["Launch", "recording", "magic", "stats_partial", "finalize", "fprop", "dgrad", "wgrad", "dx"]
 
@@ -289,10 +298,17 @@ def wgrad(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmConfig, s
           num_parts: int = 0, dbeta=None, dgamma=None, coef: Optional[torch.Tensor] = None,
           inv_count: float = 1.0, fold: bool = True) -> None:
     """``dw = wgrad(dy, relu(x·scale + shift))`` (stored in dw's dtype and ``dw_strides``; with
-    ``split`` > 1 as fp32 partials ``dw[split, k, c, r, s]``) and, in extra programs of the same launch,
+    ``split`` > 1 as fp32 partials ``dw[split, r, s, k, c]``) and, in extra programs of the same launch,
     the fold of the dgrad tiles' sums (``sum_mode`` 1: dβ, dγ and the dx coefficients; 2: dβ, dγ and the
     gradients of externally given statistics into ``coef``). ``dw=None``: the fold alone. ``fold=False``:
-    a launch that never folds (a projection shortcut's own wgrad, recorded as ``wgrad_proj``)."""
+    a launch that never folds (a projection shortcut's own wgrad, recorded as ``wgrad_proj``). A halo
+    tile (``cfg.halo``) with a dw to compute runs the staged-halo kernel (:func:`_wgrad_halo`), its
+    ``split`` programs splitting the rows."""
+    if cfg.halo and dw is not None:
+        return _wgrad_halo(geom=geom, in_shape=in_shape, out_shape=out_shape, in_strides=in_strides, cfg=cfg,
+                           split=split, dy=dy, dy_strides=dy_strides, x=x, pack=pack, dw=dw, dw_strides=dw_strides,
+                           cdtype=cdtype, idx64=idx64, sum_mode=sum_mode, psum=psum, num_parts=num_parts,
+                           dbeta=dbeta, dgamma=dgamma, coef=coef, inv_count=inv_count)
     g = geom
     N, C, H, W = in_shape
     _, K, P, Q = out_shape
@@ -330,6 +346,48 @@ def wgrad(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmConfig, s
         CK._wgrad_kernel[grid](*args, **kw)
 
 
+def _wgrad_halo(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmConfig, split: int, dy: torch.Tensor,
+                dy_strides, x: torch.Tensor, pack: torch.Tensor, dw: torch.Tensor, dw_strides, cdtype: torch.dtype,
+                idx64: bool, sum_mode: int, psum: Optional[torch.Tensor], num_parts: int, dbeta, dgamma,
+                coef: Optional[torch.Tensor], inv_count: float) -> None:
+    """:func:`wgrad` through the staged halo (``kernels_halo._wgrad_halo_kernel``; ``cfg.halo``): ``split``
+    programs of :func:`~.configs.halo_chunk` output image rows each (with ``split`` > 1 fp32 partials
+    ``dw[split, r, s, k, c]``), each staging :func:`~.configs.halo_wgrad_span` pixels of x's
+    ``cfg.BLOCK_N`` channels (a buffer in the operand dtype, freed after the launch).
+
+    Raises:
+        ValueError: the conv is not one the kernel takes (fp32 compute, groups, channels ≠ BLOCK_N, more
+            output channels than BLOCK_M, a filter over 3 × 3, or BLOCK_K not whole image rows dividing P).
+    """
+    g = geom
+    N, C, H, W = in_shape
+    _, K, P, Q = out_shape
+    rpi = cfg.BLOCK_K // Q
+    if (cdtype == torch.float32 or g.groups != 1 or C != cfg.BLOCK_N or K > cfg.BLOCK_M or max(g.kernel) > 3
+            or rpi == 0 or cfg.BLOCK_K % Q or P % rpi):
+        raise ValueError(f"wgrad: the staged-halo tile {cfg.label()} does not take {C} → {K} channels, groups "
+                         f"{g.groups}, a {g.kernel} filter, {P}×{Q} outputs, compute dtype {cdtype}")
+    chunk = halo_chunk(N * P, rpi, split)
+    halo = halo_wgrad_span(in_shape, out_shape, g, chunk)
+    # the operand dtype (fp32 for bf16 under the interpreter, whose bf16 dots are wrong)
+    stage_dtype = torch.float32 if dot_dtype(cdtype) == dot_dtype(torch.float32) else cdtype
+    stage = torch.empty(split * halo * C, device=x.device, dtype=stage_dtype)
+    block_c = _block_c(C)
+    n_red = triton.cdiv(C, block_c) if sum_mode else 0
+    grid = (split + n_red,)
+    args = (dy, *dy_strides, x, *in_strides, pack, stage, dw, *dw_strides, psum, num_parts, dbeta, dgamma, coef,
+            inv_count, N * P, halo, chunk, split)
+    kw = dict(H=H, P=P, Q=Q, K=K, W=W, C=C, R=g.kernel[0], S=g.kernel[1], STRIDE_H=g.stride[0], STRIDE_W=g.stride[1],
+              PAD_H=g.padding[0], PAD_W=g.padding[1], DIL_H=g.dilation[0], DIL_W=g.dilation[1], SPLIT_K=split > 1,
+              EVEN_K=K == cfg.BLOCK_M, SUM_MODE=sum_mode, HAS_GAMMA=dgamma is not None, **_dot(cdtype, idx64),
+              PRO16=_pro16(cdtype), BLOCK_M=cfg.BLOCK_M, BLOCK_R=cfg.BLOCK_K, RPI=rpi, BLOCK_C=block_c,
+              BLOCK_P=_block_p(num_parts), STAGE_ROWS=128, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if _recorder is not None:
+        _record("wgrad", HK._wgrad_halo_kernel, grid, args, kw)
+    else:
+        HK._wgrad_halo_kernel[grid](*args, **kw)
+
+
 # -------------------------------------------------------------------------------------------- dx
 def dx(*, geom: ConvGeom, shape, x: torch.Tensor, x_strides, pack: torch.Tensor, coef: Optional[torch.Tensor],
        dz: Optional[torch.Tensor], out: Optional[torch.Tensor], out_strides=(0, 0, 0, 0),
@@ -350,7 +408,11 @@ def dx(*, geom: ConvGeom, shape, x: torch.Tensor, x_strides, pack: torch.Tensor,
     job1 = (fold1[0], fold1[1], *fold1[1].stride()) if fold1 is not None else (None, None, 0, 0, 0, 0)
     job2 = (fold2[0], fold2[1], *fold2[1].stride()) if fold2 is not None else (None, None, 0, 0, 0, 0)
     grid = (n_dx + n_red1 + n_red2,)
-    args = (dz, x, *x_strides, pack, coef, res, *res_strides, out, *out_strides, M, n_dx, *job1, n_red1, *job2)
+    # A launch of the folds alone still compiles the dx programs, whose loads and stores need typed
+    # pointers (None fails to compile for a GPU; the interpreter never reaches them): x stands in for
+    # dz and out there, never read or written (NUM_DX = 0).
+    args = (dz if dz is not None else x, x, *x_strides, pack, coef, res, *res_strides,
+            out if out is not None else x, *out_strides, M, n_dx, *job1, n_red1, *job2)
     kw = dict(H=H, W=W, C=C, HAS_RES=res is not None, IDX64=idx64, K1=geom.out_channels, CG1=C // geom.groups,
               R1=geom.kernel[0], S1=geom.kernel[1], SPLIT1=split1, HAS_RED1=n_red1 > 0,
               K2=k2, CG2=C, SPLIT2=split2, HAS_RED2=n_red2 > 0, BLOCK_M=bm, BLOCK_C=bc, BLOCK_E=FOLD_BLOCK,

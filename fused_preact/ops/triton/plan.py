@@ -48,6 +48,8 @@ from fused_preact.ops.triton.configs import (
     dgrad_slots,
     fprop_config,
     halo_geometry,
+    halo_wgrad_programs,
+    halo_wgrad_rows,
     is_channels_last,
     max_offset,
     nhwc_strides_of,
@@ -131,8 +133,12 @@ class TritonPlan:
                             stats_out)
             if tune and overrides is None and _tunes_on(device):
                 _tune_unit(self, unit, i)
-            unit.split = split or wgrad_split(unit.M_out, unit.wgrad_tiles(),
-                                              unit.wcfg.BLOCK_K * unit.wcfg.unroll, device)
+            if unit.wcfg.halo:  # the halo wgrad's programs split the rows: its K-split
+                # (a forced tile of fewer pixels than an image row: 1, and the launcher refuses it)
+                unit.split = split or halo_wgrad_programs(N * P, max(1, unit.wcfg.BLOCK_K // Q), device)
+            else:
+                unit.split = split or wgrad_split(unit.M_out, unit.wgrad_tiles(),
+                                                  unit.wcfg.BLOCK_K * unit.wcfg.unroll, device)
             self.units.append(unit)
         self._plan_proj(split)
         self._plan_buffers()
@@ -145,9 +151,11 @@ class TritonPlan:
         16-bit compute the launch reads fp32 activations — unit i's input (the chain's, i = 0) or, for
         fprop, the residual the last unit adds (assumed of the chain input's dtype); for fprop proj:
         the launch adds the projection shortcut (the last unit's) and halo: g admits the staged-halo
-        kernel (:func:`~.configs.halo_geometry`; :func:`~.configs.halo_fprop` decides the rest); for wgrad
-        strided; for dgrad slots
-        (:func:`dgrad_slots`) and res: the launch adds the identity shortcut's gradient to dx."""
+        kernel (:func:`~.configs.halo_geometry`; :func:`~.configs.halo_fprop` decides the rest); for
+        wgrad strided, proj (g is the projection shortcut) and halo: the staged-halo tile's rows where g
+        admits it (:func:`~.configs.halo_wgrad_rows`, 0 where not; :func:`~.configs.halo_wgrad` decides
+        the rest); for dgrad slots (:func:`dgrad_slots`) and res: the launch adds the identity
+        shortcut's gradient to dx."""
         autocast = self.x_dtype == torch.float32 and self.cdtype != torch.float32
         taps = g.kernel[0] * g.kernel[1]
         if kind == "fprop":
@@ -161,7 +169,9 @@ class TritonPlan:
             return dict(slots=dgrad_slots(g, g.out_channels // g.groups, self.cdtype), arch=self.arch,
                         taps=taps, res=res)
         x32 = i == 0 and autocast
-        return dict(arch=self.arch, x32=x32, strided=g.stride != (1, 1), taps=taps)
+        halo = halo_wgrad_rows(g, self.shapes[i], self.shapes[i + 1]) if g is not self.spec.proj else 0
+        return dict(arch=self.arch, x32=x32, strided=g.stride != (1, 1), taps=taps, halo=halo,
+                    proj=g is self.spec.proj)
 
     def unit_candidates(self, u: UnitPlan, i: int, kind: str) -> list[GemmConfig]:
         """The autotune candidates of the ``kind`` kernel (fprop, dgrad, wgrad) of u, unit i: the ones
