@@ -13,6 +13,7 @@ from helpers import FUSED_BACKENDS, TOL, assert_close
 import fused_preact.ops.bn_relu_conv as op_mod
 import fused_preact.ops.triton.plan as triton_plans
 from fused_preact.ops import bn_relu_conv2d, bn_relu_conv2d_reference
+from fused_preact.ops.triton import launch
 from fused_preact.ops.triton.configs import GemmConfig
 
 # (N, C, H, W, K, R, stride, padding, dilation, groups): odd channel counts, 1×1 images, all paddings;
@@ -224,6 +225,46 @@ def test_narrow_wgrad_tiles(monkeypatch, shape, cfg, split):
     monkeypatch.setattr(triton_plans, "wgrad_split", lambda m_total, tiles, block_k, device: split)
     monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
     _run(shape, True, True, torch.float16)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("shape, cfg", [
+    ((2, 64, 6, 6, 16, 1, 1, 0, 1, 1), GemmConfig(16, 64, 32, 2, 2, unroll=2)),
+    ((2, 96, 5, 7, 16, 1, 1, 0, 1, 1), GemmConfig(16, 32, 32, 1, 2, unroll=2)),
+    ((2, 64, 6, 6, 32, 1, 1, 0, 1, 2), GemmConfig(16, 16, 32, 1, 2)),
+    ((2, 32, 7, 9, 12, 3, 1, 1, 1, 1), GemmConfig(16, 16, 64, 1, 2, unroll=2)),
+    ((2, 16, 12, 12, 16, 1, 1, 0, 1, 1), GemmConfig(16, 16, 512, 1, 2)),
+], ids=lambda v: _ids(v) if isinstance(v, tuple) else v.label())
+def test_wgrad_of_16_output_channels(monkeypatch, shape, cfg, split):
+    """The wgrad tiles of 16 output channels over a stride-1 conv (the 2-warp tile over 64 input
+    channels, ``configs._thin_wgrad_tile``; 16-channel tiles of 512 rows), whose launches take x's and
+    dy's pixel strides as constexprs and x's channel block into the scalar base pointer: several
+    channel blocks (96 input channels in blocks of 32), groups (two of 16 output channels over 32
+    input channels, in blocks of 16), a padded 3×3 with 12 output channels (masked), and one iteration
+    longer than all the rows (masked), alone and in split-K chunks; the launches did take the
+    constexpr strides."""
+    seen: list = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            run = self.kernel[grid]
+
+            def launch_(*args, **kwargs):
+                seen.append((kwargs["XW"], kwargs["DW"]))
+                return run(*args, **kwargs)
+
+            return launch_
+
+    monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: cfg)
+    monkeypatch.setattr(triton_plans, "wgrad_split", lambda m_total, tiles, block_k, device: split)
+    monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
+    monkeypatch.setattr(launch.CK, "_wgrad_kernel", Spy(launch.CK._wgrad_kernel))
+    _run(shape, True, True, torch.float16, dy_channels_last=True)
+    K = shape[4]
+    assert (shape[1], K) in seen, seen  # channels_last x and dy: pixel strides C and K
 
 
 @pytest.mark.parametrize("split", [2, 3])

@@ -359,3 +359,26 @@ def test_baseline_file_round_trip(tmp_path):
     assert LL.load_baseline(path) == base
     assert len(path.read_text().splitlines()) == 2 + 1 + 2 + 2  # braces, tolerance, offenders open/close, 2 lines
     assert LL.load_baseline(tmp_path / "missing.json") == {"tolerance": LL.TOLERANCE, "offenders": {}}
+
+
+def test_convs_of_one_block_are_layers_of_their_own():
+    """PreActResNet-164's layer1.0 launches the 1×1 wgrad variant for two convs (16→16 and 16→64): the
+    jobs name the conv beside the block, so each conv's candidates are judged on their own (one
+    conv's good candidate must not stand in for the other's), and the BatchNorm kernels keep the block."""
+    import torch
+
+    from fused_preact.bench.shapes import enumerate_units
+    from tools.static_report.jobs import chain_jobs
+
+    units = [u for u in enumerate_units("preact_resnet164", 128) if any("layer1.0/" in n for n in u.names)]
+    block = "preact_resnet164/layer1.0 [bottleneck 16→64 /1 @32²]"
+    jobs = [j for j in chain_jobs(units, [torch.bfloat16]) if j.shape.startswith(block)]
+    wgrad_1x1 = {j.shape for j in jobs if j.kernel == "wgrad" and j.variant == "1x1s1 sum1 HAS_GAMMA"}
+    assert wgrad_1x1 == {f"{block} 1x1/1 16→16 @32x32", f"{block} 1x1/1 16→64 @32x32"}
+    assert {j.shape for j in jobs if j.kernel == "wgrad" and j.variant.startswith("3x3")} == {
+        f"{block} 3x3/1 16→16 @32x32"}
+    assert {j.shape for j in jobs if j.kernel in ("stats", "finalize")} == {block}
+    # the figures follow: the 16→64 conv's candidate (0.7) does not hide the 16→16 conv's best (1.3)
+    a = _e(roles=("candidate",), ratio=0.7, shapes=(f"{block} 1x1/1 16→64 @32x32",))
+    b = _e(roles=("candidate",), ratio=1.3, shapes=(f"{block} 1x1/1 16→16 @32x32",))
+    assert LL.loop_figures([_e(ratio=0.9), a, b])[0]["triton fprop [3x3s1] bf16 sm_90"]["issue_ratio"]["candidate"] == 1.3

@@ -317,10 +317,12 @@ def test_check_rules_and_table():
 
 
 def test_check_accepts_mma_sync_only_where_wgmma_cannot_run():
-    """On sm_90 a convolution on HMMA passes only as a narrow wgrad tile (wgrad or wgrad_proj, BLOCK_N ≤
-    32) whose dots all have fewer rows than wgmma's 64 (``_narrow_mma_sync``); a 64-row dot, another
-    kernel, a wider BLOCK_N, unread dots or no dot records fail; sm_80's HMMA is judged as before."""
-    dot = lambda rows, op="tt.dot": {"op": op, "shape": [rows, 16], "warps": [1, 1], "instr": [16, 8], "replication": 1.0}
+    """On sm_90 a convolution on HMMA passes only as a narrow (wgrad or wgrad_proj, BLOCK_N ≤ 32) or thin
+    (BLOCK_M ≤ 16) wgrad tile whose dots all have fewer rows than wgmma's 64 or run in fewer than a
+    warpgroup's 4 warps (``_narrow_mma_sync``); a 64-row dot in 4 warps, another kernel, a wider tile,
+    unread dots or no dot records fail; sm_80's HMMA is judged as before."""
+    dot = lambda rows, op="tt.dot", warps=(4, 1): {"op": op, "shape": [rows, 16], "warps": list(warps),
+                                                   "instr": [16, 8], "replication": 1.0}
     hmma = dict(kernel="wgrad", mma=0, mma_by_op={"HMMA": 32}, constexprs={"BLOCK_N": "16"})
     assert limits.check_entries([_entry(**hmma, mma_dots=[dot(16)]), _entry(**hmma, mma_dots=[dot(32), dot(16)]),
                                  _entry(**dict(hmma, kernel="wgrad_proj", constexprs={"BLOCK_N": "32"}),
@@ -335,6 +337,13 @@ def test_check_accepts_mma_sync_only_where_wgmma_cannot_run():
                                 _entry(**dict(hmma, constexprs={"BLOCK_N": "64"}), mma_dots=[dot(16)]),
                                 _entry(**hmma, mma_dots=[dot(16)], mma_dots_unparsed=1)])
     assert len(bad) == 7 and all("no HGMMA" in b for b in bad)
+    # the thin tile: 16 output channels, dWᵀ's 64 rows in 2 warps (no warpgroup)
+    thin = dict(hmma, constexprs={"BLOCK_M": "16", "BLOCK_N": "64"})
+    assert limits.check_entries([_entry(**thin, mma_dots=[dot(64, warps=(2, 1))])]) == []
+    bad = limits.check_entries([_entry(**thin, mma_dots=[dot(64)]),
+                                _entry(**dict(thin, constexprs={"BLOCK_M": "32", "BLOCK_N": "64"}),
+                                       mma_dots=[dot(64, warps=(2, 1))])])
+    assert len(bad) == 2 and all("no HGMMA" in b for b in bad)
     assert limits.check_entries([_entry(arch="sm_80", mma=32, mma_by_op={"HMMA": 32})]) == []
 
 

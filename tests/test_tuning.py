@@ -217,16 +217,34 @@ def test_narrow_wgrad_tiles(monkeypatch):
     rows per warpgroup; those stay candidates), in BLOCK_N / 16 warps so that no two warps compute
     the same results: one output-channel piece unrolled over two row blocks of 128 rows, several
     pieces over 128 rows (bf16's 256, and 512 with 16 channels, as candidates; fp32 activations 256);
-    as default and among the candidates. Wider inputs, fp32 and an unknown arch keep 64-channel
-    tiles."""
+    as default and among the candidates; a 1×1 of ≤ 16 output channels over 16 input channels 512 rows.
+    ≤ 16 output channels over wider inputs take the 2-warp thin tile (sm_80's default, a candidate on
+    both). Otherwise wider inputs, fp32 and an unknown arch keep 64-channel tiles."""
     from fused_preact.ops.triton import configs
 
     monkeypatch.setattr(configs, "interpreting", lambda: False)
     wgrad_config = configs.wgrad_config
     big = 10**6
     for arch, st in ((80, 3), (86, 3), (90, 2)):
-        assert wgrad_config(16, 16, big, torch.bfloat16, arch=arch) == GemmConfig(16, 16, 128, 1, 2, unroll=2)
+        # a 1×1 of ≤ 16 output channels over 16: 512 rows rolled (128 unrolled a candidate); fp32
+        # activations or several taps: 128 unrolled
+        for dtype in (torch.bfloat16, torch.float16):
+            assert wgrad_config(16, 16, big, dtype, arch=arch) == GemmConfig(16, 16, 512, 1, 2)
+            assert GemmConfig(16, 16, 128, 1, 2, unroll=2) in candidates("wgrad", 16, 16, big, dtype, arch=arch)
+            assert wgrad_config(16, 16, big, dtype, arch=arch, taps=9) == GemmConfig(16, 16, 128, 1, 2, unroll=2)
+            assert GemmConfig(16, 16, 512, 1, 2) not in candidates("wgrad", 16, 16, big, dtype, arch=arch, taps=9)
         assert wgrad_config(16, 16, big, torch.float16, arch=arch, x32=True) == GemmConfig(16, 16, 128, 1, 2, unroll=2)
+        # ≤ 16 output channels over more than 32 input channels: the 2-warp tile, sm_80's default and a
+        # candidate on both (sm_90's default stays on wgmma); not with 32 output channels or fp32
+        thin = GemmConfig(16, 64, 128, 2, 2, unroll=2)
+        for dtype in (torch.bfloat16, torch.float16):
+            assert (wgrad_config(16, 64, big, dtype, arch=arch) == thin) == (arch < 90)
+            assert wgrad_config(16, 256, big, dtype, arch=arch, x32=True) == thin or arch >= 90
+            assert thin in candidates("wgrad", 16, 64, big, dtype, arch=arch)
+            assert thin in candidates("wgrad", 8, 128, big, dtype, arch=arch)
+            assert thin not in candidates("wgrad", 32, 64, big, dtype, arch=arch)
+        assert wgrad_config(16, 64, big, torch.bfloat16, arch=90).num_warps == 4
+        assert all(c.BLOCK_N == 64 and c.num_warps == 4 for c in candidates("wgrad", 16, 64, big, torch.float32, arch=arch))
         assert wgrad_config(32, 32, big, torch.float16, arch=arch) == GemmConfig(32, 32, 128, 2, 2, unroll=2)
         assert wgrad_config(16, 32, big, torch.bfloat16, arch=arch, strided=True) == GemmConfig(16, 32, 128, 2, 2,
                                                                                                 unroll=2)
@@ -251,7 +269,6 @@ def test_narrow_wgrad_tiles(monkeypatch):
             GemmConfig(64, 16, 128, 1, st)]
         assert [c for c in candidates("wgrad", 128, 32, big, torch.bfloat16, arch=arch) if c.BLOCK_N == 32] == [
             GemmConfig(128, 32, 128, 2, st), GemmConfig(128, 32, 256, 2, st)]  # 512 rows spill
-        assert GemmConfig(16, 16, 128, 1, 2, unroll=2) in candidates("wgrad", 16, 16, big, torch.bfloat16, arch=arch)
         assert all(c.BLOCK_N == 64 for c in candidates("wgrad", 16, 16, big, torch.float32, arch=arch))
     for args, kw in (((16, 64), dict(arch=80)), ((16, 64), dict(arch=90)), ((16, 16), dict(arch=0))):
         assert wgrad_config(*args, big, torch.bfloat16, **kw).BLOCK_N == 64, (args, kw)

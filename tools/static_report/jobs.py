@@ -66,7 +66,10 @@ class StaticJob:
         conv: True for a convolution/GEMM kernel (``--check`` demands tensor-core instructions);
             False for elementwise and reduction kernels.
         variant: what else distinguishes the launch (filter size, epilogue flags), for the report.
-        dtype: activation dtype label (``bf16``, ``fp16``, ``fp32``). shape: the layer it serves.
+        dtype: activation dtype label (``bf16``, ``fp16``, ``fp32``). shape: the layer it serves (a
+            conv launch: the block and the conv, e.g. ``… layer1.0 [bottleneck 16→64 /1 @32²] 1x1/1
+            16→16 @32x32``, so that the convs of one block launching one kernel variant count as
+            layers of their own in the limits' candidate figures).
         archs: compute capabilities this launch exists on (None: all), e.g. when a launcher's choice
             depends on the device (SM count).
         role: ``"default"``: the launch with the backend's heuristic default config (what runs
@@ -250,8 +253,10 @@ def chain_jobs(units: Sequence[UnitShape], dtypes: Sequence[torch.dtype]) -> lis
                         role = "candidate" if rec.name == run.tuned else "default"
                         x32 = "x32" if run.x_dtype is not None and _reads_fp32(rec) else ""
                         variant = " ".join(v for v in (_variant(rec), x32) if v)
+                        # a conv launch serves one conv of the block: its layer for the limits' candidates
+                        where = f"{shape} {rec.conv}" if rec.conv else shape
                         jobs.append(StaticJob(rec.name, _label(rec), rec.fn, rec.args, rec.kwargs, rec.name in _CONV,
-                                              variant, _NAMES[dtype], shape, archs, role))
+                                              variant, _NAMES[dtype], where, archs, role))
     return jobs
 
 
@@ -273,7 +278,7 @@ _ACTIVATIONS = ("x_ptr", "xin_ptr", "res_ptr", "dx_ptr")
 def _reads_fp32(rec) -> bool:
     """Whether a launch of a 16-bit chain takes fp32 activations (autocast's fp32 input, its residual
     or its gradient), which the report labels ``x32``."""
-    names = [p.name for p in rec.fn.params]
+    names = rec.fn.arg_names  # a JITFunction's, or the interpreter's InterpretedFunction's
     return any(n in _ACTIVATIONS and getattr(a, "dtype", None) == torch.float32 for n, a in zip(names, rec.args))
 
 

@@ -11,8 +11,9 @@ kernel, variant string, dtype and arch, over the layers that launch it:
     CUDA C++ (``--cubins``) sm_90 functions with an MMA loop, by the cubin's name: fprop and wgrad
         issue ratio ≤ 0.6, dgrad ≤ 0.3
 
-A variant meets a limit when its default config does and, for every layer, at least one autotune
-candidate does (the tuner can pick it). Figures per variant and limit: ``default`` = the worst figure
+A variant meets a limit when its default config does and, for every layer (a conv of a block: an
+entry's ``shapes`` name both, so two convs of one block that launch one variant are two layers), at
+least one autotune candidate does (the tuner can pick it). Figures per variant and limit: ``default`` = the worst figure
 over the compilations whose role is ``default`` (entries without roles count as defaults);
 ``candidate`` = over the layers, the worst of each layer's best candidate (None without candidates).
 Both only grow when more layers are added, so a run restricted to some layers never reports a larger

@@ -403,7 +403,7 @@ def _narrow_wgrad(arch: int, Cg: int) -> bool:
 
 
 def _narrow_wgrad_tiles(Kg: int, Cg: int, dtype: torch.dtype, arch: int, x32: bool,
-                        strided: bool = False, proj: bool = False) -> list[GemmConfig]:
+                        strided: bool = False, proj: bool = False, taps: int = 1) -> list[GemmConfig]:
     """The wgrad tiles :func:`_narrow_wgrad` allows, the default first: BLOCK_N the input channels (16 or
     32), BLOCK_M up to four pieces of them (the kernel's limit) and at most 128 output channels, in
     BLOCK_N / 16 warps: Triton puts every warp of a loop with several dots along the larger dimension of
@@ -422,12 +422,15 @@ def _narrow_wgrad_tiles(Kg: int, Cg: int, dtype: torch.dtype, arch: int, x32: bo
     input channels) 3×3 16→16 3.56 at 0.25 → 3.51, 3×3 32→32 1.94 at 0.5 → 1.99, the projection 0.66 at
     0.25 → 1.03. A projection shortcut's wgrad (``proj``) over 16 input channels takes 256 rows on sm_90
     (bf16 and fp16 alike: no transform beside its loads, where fp16's 256-row tile of the conv beside
-    it spills 8–24 bytes): 1.03 → 0.98."""
+    it spills 8–24 bytes): 1.03 → 0.98. A 1×1 (``taps`` = R·S = 1) of ≤ 16 output channels over 16
+    16-bit input channels takes 512 rows per iteration (rolled, 2 stages, 32 KiB of shared memory; the
+    two-block unrolled 128-row tile a candidate): its loop's fixed costs over 512 rows of 16 MACs each
+    (static, PreActResNet-164's 1×1 16→16, bf16 and fp16: sm_80 1.00 → 0.96, sm_90 2.06 → 1.92)."""
     bn = p2(Cg, 16, 32)
     bm = min(p2(Kg, 16, 128), 4 * bn)
     bf16_16 = dtype == torch.bfloat16 and bn == 16
     if bm <= bn:
-        rows = [128]
+        rows = [512, 128] if bn == 16 and taps == 1 and not x32 else [128]
     elif x32:  # fp32 activations: a 32-channel tile of 256 rows exceeds shared memory
         rows = [64] if strided else [256] if bn == 16 else [128]
     elif strided:
@@ -446,6 +449,24 @@ def _narrow_wgrad_tiles(Kg: int, Cg: int, dtype: torch.dtype, arch: int, x32: bo
     return out
 
 
+def _thin_wgrad(Kg: int, Cg: int, dtype: torch.dtype, arch: int) -> bool:
+    """Whether the wgrad of ≤ 16 output channels over more than 32 input channels (per group) takes the
+    2-warp tile :func:`_thin_wgrad_tile`: 16-bit compute on sm_80 or later (compute capability ``arch``)."""
+    return arch >= 80 and dtype in (torch.float16, torch.bfloat16) and Kg <= 16 and Cg > 32
+
+
+def _thin_wgrad_tile(dtype: torch.dtype, arch: int, x32: bool) -> GemmConfig:
+    """16 output channels × 64 input channels × 2 row blocks of 128 per iteration in 2 warps (unrolled,
+    :func:`wgrad_unroll`; 40 KiB of shared memory): Triton spreads the warps of dWᵀ's 64 × 16 dot over
+    its 64 rows, so each warp's MMAs cover 32 input channels where the 4-warp tile's cover 16, and the
+    loop's per-warp fixed costs (barrier, waits, address bases, loop control) spread over twice the
+    MMAs. mma.sync on sm_90 too (a warpgroup's wgmma needs 4 warps). Static, PreActResNet-164's 1×1
+    64→16, bf16 and fp16: sm_80 1.03 → 0.92 (fp32 activations 1.62 → 1.45), sm_90 (against the wgmma
+    tile 16×64×256) 2.34 → 1.81. One warp would cover all 64 (sm_80 0.85) but leave one warp per
+    scheduler at 4 CTAs per SM."""
+    return wgrad_unroll(GemmConfig(16, 64, 128, 2, 3), dtype, arch, x32)
+
+
 def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x32: bool = False,
                  strided: bool = False, taps: int = 1, halo: int = 0, proj: bool = False) -> GemmConfig:
     """Default wgrad tiles: BLOCK_M over output channels, BLOCK_N over input channels, BLOCK_K over
@@ -461,7 +482,9 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x3
     On sm_80 and later GPUs ≤ 32 input channels per group take tiles fitted to them
     (:func:`_narrow_wgrad_tiles`; ``proj``: the conv is a projection shortcut), and where ``halo``
     (the staged-halo tile's BLOCK_R, :func:`halo_wgrad_rows`; 0: the geometry does not admit it) and
-    :func:`halo_wgrad` allow, the staged-halo tile (:func:`halo_wgrad_config`).
+    :func:`halo_wgrad` allow, the staged-halo tile (:func:`halo_wgrad_config`). On sm_80 ≤ 16 output
+    channels over more input channels take a 2-warp tile (:func:`_thin_wgrad`; on sm_90 a candidate
+    beside the wgmma tile, whose rate against mma.sync's a GPU's autotuning measures).
     """
     if halo and halo_wgrad(Kg, Cg, dtype, arch, taps):
         return halo_wgrad_config(Kg, Cg, halo)
@@ -472,7 +495,9 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x3
         return GemmConfig(p2(Kg, 16, 64), 64, 32, 4, 4)
     bm = p2(Kg, 16, 128)
     if _narrow_wgrad(arch, Cg):
-        return _narrow_wgrad_tiles(Kg, Cg, dtype, arch, x32, strided, proj)[0]
+        return _narrow_wgrad_tiles(Kg, Cg, dtype, arch, x32, strided, proj, taps)[0]
+    if _thin_wgrad(Kg, Cg, dtype, arch) and arch < 90:
+        return _thin_wgrad_tile(dtype, arch, x32)
     if bm <= 64 and _wide_wgrad_rows(arch, dtype, x32, strided, Kg):
         return wgrad_unroll(GemmConfig(bm, 64, 256, 4, 2), dtype, arch, x32, taps)
     rows = 64 if bm > 64 or (bm > 32 and x32 and taps > 1) else 128
@@ -528,6 +553,7 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int 
     ``slots``: dgrad's taps per step, :func:`dgrad_slots`; ``taps`` (R·S), ``proj``, ``res``: as
     :func:`fprop_config`, :func:`wgrad_config`, :func:`wgrad_unroll` and :func:`dgrad_config`. wgrad
     on sm_80 and later over ≤ 32 input channels also takes tiles fitted to them (:func:`_narrow_wgrad`),
+    with ≤ 16 output channels over more input channels the 2-warp tile (:func:`_thin_wgrad`),
     fprop over ≤ 16 channels more
     rows (:func:`_narrow_fprop_rows`) and, where ``halo`` (as :func:`fprop_config`, and for wgrad
     :func:`wgrad_config`) and :func:`halo_fprop` or :func:`halo_wgrad` admit it, the staged-halo tile."""
@@ -560,7 +586,9 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int 
         if cfg not in out:
             out.append(cfg)
     if kind == "wgrad" and half == 1 and _narrow_wgrad(arch, n):
-        out += [cfg for cfg in _narrow_wgrad_tiles(m, n, dtype, arch, x32, strided, proj) if cfg not in out]
+        out += [cfg for cfg in _narrow_wgrad_tiles(m, n, dtype, arch, x32, strided, proj, taps) if cfg not in out]
+    if kind == "wgrad" and _thin_wgrad(m, n, dtype, arch) and _thin_wgrad_tile(dtype, arch, x32) not in out:
+        out.append(_thin_wgrad_tile(dtype, arch, x32))
     if kind == "fprop" and half == 1 and _narrow_fprop_rows(m, n, k, arch, x32):
         cfg = fprop_config(m, n, k, dtype, False, arch, x32, taps, proj)  # the default's rows
         out += [cfg] if cfg not in out else []

@@ -402,6 +402,7 @@ def _wgrad_tile(
     EVEN_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, PRO16: tl.constexpr,
     PTX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, UNROLL: tl.constexpr,
+    XW: tl.constexpr, DW: tl.constexpr,
 ):
     """One (k-block, c-block, tap, group, split) tile of ``dW[k, c, r, s] = Σ_m dy[m, k] ·
     relu(x[pix(m,r,s), c]·scale[c] + shift[c])`` over rows ``[split·CHUNK, (split+1)·CHUNK)``: stored in
@@ -428,6 +429,10 @@ def _wgrad_tile(
     (one output-channel piece, ``configs.wgrad_unroll``): two row blocks per iteration, the second into
     the free second piece's accumulator, summed after the loop, so Triton leaves both dots in flight
     (one accumulator chained through both would wait at depth 0)."""
+    if XW > 0:
+        sxw = XW
+    if DW > 0:
+        sdw = DW
     KP: tl.constexpr = BLOCK_N if BLOCK_N < BLOCK_M else BLOCK_M
     NKP: tl.constexpr = BLOCK_M // KP
     tl.static_assert(NKP <= 4, "wgrad tiles: BLOCK_M may be at most 4·BLOCK_N (four accumulator pieces)")
@@ -472,8 +477,15 @@ def _wgrad_tile(
         # Output row m reads input pixel STRIDE_H·STRIDE_W·m − STRIDE_W·(STRIDE_H − 1)·(m mod Q) + dh·W + dw,
         # and the tap is inside the image iff m mod P·Q ∈ [pa·Q, pb·Q) and m mod Q ∈ [qa, qb).
         lu = (start + lanes).to(tl.uint32, bitcast=True)
-        x_inv = c_in[:, None] * sxc + (lanes * (STRIDE_H * STRIDE_W * sxw))[None, :]
-        x_first = x_ptr + (dh * sxh + dw_ * sxw) + start.to(tl.int64) * (STRIDE_H * STRIDE_W * sxw)
+        if XW > 0:
+            # the channel base in the scalar pointer: a lane's offsets in the tile are then constants
+            # apart, which its loads take as immediates (the pixel stride XW is a constexpr)
+            x_inv = tl.arange(0, BLOCK_N)[:, None] * sxc + (lanes * (STRIDE_H * STRIDE_W * sxw))[None, :]
+            x_first = x_ptr + ((g * Cg + cb * BLOCK_N) * sxc + dh * sxh + dw_ * sxw)
+        else:
+            x_inv = c_in[:, None] * sxc + (lanes * (STRIDE_H * STRIDE_W * sxw))[None, :]
+            x_first = x_ptr + (dh * sxh + dw_ * sxw)
+        x_first += start.to(tl.int64) * (STRIDE_H * STRIDE_W * sxw)
         dy_first = dy_ptr + start.to(tl.int64) * sdw
         cq = CQ.to(tl.uint32, bitcast=True)
         if PADDED:
@@ -608,7 +620,7 @@ def _wgrad_kernel(
     SUM_MODE: tl.constexpr, HAS_GAMMA: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, PRO16: tl.constexpr,
     PTX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_P: tl.constexpr, UNROLL: tl.constexpr,
+    BLOCK_P: tl.constexpr, UNROLL: tl.constexpr, XW: tl.constexpr = 0, DW: tl.constexpr = 0,
 ):
     """Two roles in one launch (1-D grid), each needing only what the dgrad launch before it wrote.
 
@@ -622,7 +634,7 @@ def _wgrad_kernel(
         _wgrad_tile(dy_ptr, sdn, sdh, sdw, sdc, x_ptr, sxn, sxh, sxw, sxc, pack_ptr, dw_ptr, swk, swc, swr, sws,
                     pid, M, CHUNK, H, W, C, P, Q, K, Q_MUL, Q_SHR, PQ_MUL, PQ_SHR, CQ, CPQ, GROUPS, R, S,
                     STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SPLIT_K, LINEAR, EVEN_M, EVEN_K, EVEN_C,
-                    DOT_DTYPE, INPUT_PRECISION, IDX64, PRO16, PTX, BLOCK_M, BLOCK_N, BLOCK_R, UNROLL)
+                    DOT_DTYPE, INPUT_PRECISION, IDX64, PRO16, PTX, BLOCK_M, BLOCK_N, BLOCK_R, UNROLL, XW, DW)
     elif SUM_MODE != 0:
         _fold_sums(pack_ptr, psum_ptr, num_parts, gbeta_ptr, ggamma_ptr, coef_ptr, inv_count, C, pid - NUM_WGRAD,
                    SUM_MODE, HAS_GAMMA, BLOCK_C, BLOCK_P)

@@ -31,18 +31,21 @@ from fused_preact.ops.triton.configs import (
     p2,
 )
 
-__all__ = ["Launch", "recording", "magic", "stats_partial", "finalize", "fprop", "dgrad", "wgrad", "dx"]
+__all__ = ["Launch", "recording", "conv_label", "magic", "stats_partial", "finalize", "fprop", "dgrad", "wgrad", "dx"]
 
 
 @dataclasses.dataclass
 class Launch:
-    """One kernel launch: ``fn[grid](*args, **kwargs)`` (kwargs: constexprs, num_warps, num_stages)."""
+    """One kernel launch: ``fn[grid](*args, **kwargs)`` (kwargs: constexprs, num_warps, num_stages).
+    ``conv``: the convolution a conv launch serves (:func:`conv_label`; "" for the BatchNorm kernels), so
+    that tools can tell apart the convs of one chain that launch the same kernel."""
 
     name: str
     fn: object
     grid: tuple
     args: tuple
     kwargs: dict
+    conv: str = ""
 
     def __call__(self) -> None:
         self.fn[self.grid](*self.args, **self.kwargs)
@@ -63,8 +66,17 @@ def recording() -> Iterator[list]:
         _recorder = outer
 
 
-def _record(name: str, fn, grid: tuple, args: tuple, kwargs: dict) -> None:
-    _recorder.append(Launch(name, fn, grid, args, kwargs))
+def _record(name: str, fn, grid: tuple, args: tuple, kwargs: dict, conv: str = "") -> None:
+    _recorder.append(Launch(name, fn, grid, args, kwargs, conv))
+
+
+def conv_label(geom: ConvGeom, in_shape, out_shape) -> str:
+    """``3x3/2 64→128 @32x32`` — filter/stride, input → output channels (``/g`` groups), input H×W: the
+    conv of a launch record (two convs of a chain with one label are the same problem)."""
+    sh, sw = geom.stride
+    stride = f"{sh}" if sh == sw else f"{sh}x{sw}"
+    grp = f"/g{geom.groups}" if geom.groups != 1 else ""
+    return f"{geom.kernel[0]}x{geom.kernel[1]}/{stride} {in_shape[1]}→{out_shape[1]}{grp} @{in_shape[2]}x{in_shape[3]}"
 
 
 def magic(d: int) -> tuple[int, int]:
@@ -212,7 +224,7 @@ def fprop(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Tensor, 
               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, BLOCK_K2=block_k2,
               UNROLL=cfg.unroll, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if _recorder is not None:
-        _record(name, FK._fprop_kernel, grid, args, kw)
+        _record(name, FK._fprop_kernel, grid, args, kw, conv_label(g, u.in_shape, u.out_shape))
     else:
         FK._fprop_kernel[grid](*args, **kw)
 
@@ -250,7 +262,7 @@ def _fprop_halo(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Te
               EVEN_N=K % cfg.BLOCK_N == 0, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
               STAGE_ROWS=128, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if _recorder is not None:
-        _record(name, HK._fprop_halo_kernel, grid, args, kw)
+        _record(name, HK._fprop_halo_kernel, grid, args, kw, conv_label(g, u.in_shape, u.out_shape))
     else:
         HK._fprop_halo_kernel[grid](*args, **kw)
 
@@ -286,7 +298,7 @@ def dgrad(u: UnitPlan, *, dy: torch.Tensor, dy_strides, w: torch.Tensor, x: torc
               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, BLOCK_K2=block_k2, SLOTS=cfg.slots,
               STEPS=int(one_step), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if _recorder is not None:
-        _record("dgrad", CK._dgrad_kernel, grid, args, kw)
+        _record("dgrad", CK._dgrad_kernel, grid, args, kw, conv_label(g, u.in_shape, u.out_shape))
     else:
         CK._dgrad_kernel[grid](*args, **kw)
 
@@ -331,17 +343,23 @@ def wgrad(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmConfig, s
             dbeta, dgamma, coef, inv_count, M, chunk, n_wg)
     q_mul, q_shr = magic(Q)
     pq_mul, pq_shr = magic(P * Q)
+    linear = _linear(g, in_shape, out_shape, in_strides, dy_strides, M + step)
+    # a tile of 16 output channels over a stride-1 conv: x's and dy's pixel strides as constexprs
+    narrow = linear and cfg.BLOCK_M <= 16 and g.stride == (1, 1)
+    # beside a 1-warp narrow main loop the fold role spilled loading 32 × 64 fp32 partials per step
+    block_p = 8 if narrow and cfg.num_warps == 1 and not interpreting() else _block_p(num_parts)
     kw = dict(**_geo(g, in_shape, out_shape), Q_MUL=q_mul, Q_SHR=q_shr, PQ_MUL=pq_mul, PQ_SHR=pq_shr,
               CQ=frac(Q), CPQ=frac(P * Q), SPLIT_K=split > 1,
-              LINEAR=_linear(g, in_shape, out_shape, in_strides, dy_strides, M + step),
+              LINEAR=linear, XW=in_strides[2] if narrow else 0, DW=dy_strides[2] if narrow else 0,
               EVEN_M=M % step == 0, EVEN_K=K // g.groups % cfg.BLOCK_M == 0,
               EVEN_C=C // g.groups % cfg.BLOCK_N == 0, SUM_MODE=sum_mode, HAS_GAMMA=dgamma is not None,
               **_dot(cdtype, idx64), PRO16=_pro16(cdtype), PTX=not interpreting(), BLOCK_M=cfg.BLOCK_M,
               BLOCK_N=cfg.BLOCK_N, BLOCK_R=cfg.BLOCK_K,
-              BLOCK_C=block_c if fold else 16, BLOCK_P=_block_p(num_parts) if fold else 16, UNROLL=cfg.unroll,
+              BLOCK_C=block_c if fold else 16, BLOCK_P=block_p if fold else 16, UNROLL=cfg.unroll,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if _recorder is not None:
-        _record("wgrad" if fold else "wgrad_proj", CK._wgrad_kernel, grid, args, kw)
+        _record("wgrad" if fold else "wgrad_proj", CK._wgrad_kernel, grid, args, kw,
+                conv_label(g, in_shape, out_shape))
     else:
         CK._wgrad_kernel[grid](*args, **kw)
 
@@ -383,7 +401,7 @@ def _wgrad_halo(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmCon
               PRO16=_pro16(cdtype), BLOCK_M=cfg.BLOCK_M, BLOCK_R=cfg.BLOCK_K, RPI=rpi, BLOCK_C=block_c,
               BLOCK_P=_block_p(num_parts), STAGE_ROWS=128, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if _recorder is not None:
-        _record("wgrad", HK._wgrad_halo_kernel, grid, args, kw)
+        _record("wgrad", HK._wgrad_halo_kernel, grid, args, kw, conv_label(g, in_shape, out_shape))
     else:
         HK._wgrad_halo_kernel[grid](*args, **kw)
 
