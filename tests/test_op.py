@@ -227,6 +227,28 @@ def test_narrow_wgrad_tiles(monkeypatch, shape, cfg, split):
     _run(shape, True, True, torch.float16)
 
 
+def _spy_wgrad(monkeypatch, *names: str) -> list:
+    """Spy on the implicit-GEMM wgrad kernel's launches: the returned list gets, per launch, the tuple
+    of the named keyword arguments (constexprs) it was launched with."""
+    seen: list = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            run = self.kernel[grid]
+
+            def launch_(*args, **kwargs):
+                seen.append(tuple(kwargs[n] for n in names))
+                return run(*args, **kwargs)
+
+            return launch_
+
+    monkeypatch.setattr(launch.CK, "_wgrad_kernel", Spy(launch.CK._wgrad_kernel))
+    return seen
+
+
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("shape, cfg", [
     ((2, 64, 6, 6, 16, 1, 1, 0, 1, 1), GemmConfig(16, 64, 32, 2, 2, unroll=2)),
@@ -243,28 +265,34 @@ def test_wgrad_of_16_output_channels(monkeypatch, shape, cfg, split):
     input channels, in blocks of 16), a padded 3×3 with 12 output channels (masked), and one iteration
     longer than all the rows (masked), alone and in split-K chunks; the launches did take the
     constexpr strides."""
-    seen: list = []
-
-    class Spy:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            run = self.kernel[grid]
-
-            def launch_(*args, **kwargs):
-                seen.append((kwargs["XW"], kwargs["DW"]))
-                return run(*args, **kwargs)
-
-            return launch_
-
     monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: cfg)
     monkeypatch.setattr(triton_plans, "wgrad_split", lambda m_total, tiles, block_k, device: split)
     monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
-    monkeypatch.setattr(launch.CK, "_wgrad_kernel", Spy(launch.CK._wgrad_kernel))
+    seen = _spy_wgrad(monkeypatch, "XW", "DW")
     _run(shape, True, True, torch.float16, dy_channels_last=True)
     K = shape[4]
     assert (shape[1], K) in seen, seen  # channels_last x and dy: pixel strides C and K
+
+
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("shape, cfg", [
+    ((4, 32, 8, 8, 32, 3, 2, 1, 1, 1), GemmConfig(32, 32, 32)),
+    ((3, 32, 8, 8, 16, 3, 2, 1, 1, 1), GemmConfig(16, 32, 32, unroll=2)),
+    ((3, 16, 4, 4, 24, 3, 1, 1, 1, 1), GemmConfig(32, 16, 16)),
+    ((5, 16, 4, 4, 16, 1, 1, 0, 1, 1), GemmConfig(16, 16, 32)),
+], ids=lambda v: _ids(v) if isinstance(v, tuple) else v.label())
+def test_wgrad_row_blocks_of_whole_images(monkeypatch, shape, cfg, split):
+    """wgrad row blocks that hold whole output images (BLOCK_R a multiple of P·Q, pixel-linear tensors):
+    the padding tests and a strided conv's step back to the row's start are computed once per lane,
+    outside the loop. Several row blocks per program (two 4×4 images per block of 32 rows, one 16-row
+    image per block), the last one partly past the rows (3 or 5 images), unrolled, a masked
+    output-channel tile, alone and in split-K chunks; the launches did take that path."""
+    monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: cfg)
+    monkeypatch.setattr(triton_plans, "wgrad_split", lambda m_total, tiles, block_k, device: split)
+    monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
+    seen = _spy_wgrad(monkeypatch, "WHOLE")
+    _run(shape, True, True, torch.float16, dy_channels_last=True)
+    assert seen and all(w for (w,) in seen), seen
 
 
 @pytest.mark.parametrize("split", [2, 3])

@@ -402,7 +402,7 @@ def _wgrad_tile(
     EVEN_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_C: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, PRO16: tl.constexpr,
     PTX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, UNROLL: tl.constexpr,
-    XW: tl.constexpr, DW: tl.constexpr,
+    XW: tl.constexpr, DW: tl.constexpr, WHOLE: tl.constexpr,
 ):
     """One (k-block, c-block, tap, group, split) tile of ``dW[k, c, r, s] = Σ_m dy[m, k] ·
     relu(x[pix(m,r,s), c]·scale[c] + shift[c])`` over rows ``[split·CHUNK, (split+1)·CHUNK)``: stored in
@@ -424,8 +424,14 @@ def _wgrad_tile(
     a constant per row block and the padding test is two fixed-point range tests (``CQ``/``CPQ``, see
     :func:`_frac_range`) making one predicate per row (:func:`_both_below`, in inline PTX with PTX);
     otherwise (n, p, q) come from multiply-shift divisions (``Q_MUL``/``Q_SHR`` by Q, ``PQ_MUL``/``PQ_SHR``
-    by P·Q). EVEN_M: every row block is full (no row mask without padding; with UNROLL, every pair of
-    row blocks); EVEN_K/EVEN_C: the channel blocks tile Kg/Cg exactly (no channel masks). UNROLL 2
+    by P·Q). With LINEAR, WHOLE: a row block holds whole output images (BLOCK_R a multiple of P·Q, and
+    every block starts at a multiple of BLOCK_R), so a lane's pixel is the same in every block — its
+    padding test and a strided conv's step back to its row are computed once, outside the loop. XW,
+    DW (> 0): x's and dy's pixel strides as constexprs (LINEAR tiles of ≤ 16 output channels over a
+    stride-1 conv; x's channel block then goes into the scalar base pointer), so that a lane's loads
+    sit at immediate offsets from one pointer. EVEN_M: every row block is full (no row mask without
+    padding; with UNROLL, every pair of row blocks); EVEN_K/EVEN_C: the channel blocks tile Kg/Cg
+    exactly (no channel masks). UNROLL 2
     (one output-channel piece, ``configs.wgrad_unroll``): two row blocks per iteration, the second into
     the free second piece's accumulator, summed after the loop, so Triton leaves both dots in flight
     (one accumulator chained through both would wait at depth 0)."""
@@ -497,6 +503,11 @@ def _wgrad_tile(
             c_q, off_q, span_q = _frac_range(cq, qa, qb, Q)
             lp = lu * c_p + off_p
             lq = lu * c_q + off_q
+            if WHOLE:  # a lane's pixel is the same in every row block: its padding test too
+                inside0 = _both_below(lp, span_p, lq, span_q, PTX)
+        if WHOLE and STRIDE_H > 1:  # ... and its column, and so the step back to it
+            q0 = tl.umulhi(lu * cq, Q.to(tl.uint32)).to(tl.int32, bitcast=True)
+            x_inv -= (q0 * (STRIDE_W * (STRIDE_H - 1) * sxw))[None, :]
     else:
         qmul = Q_MUL.to(tl.uint32, bitcast=True)
         qshr = Q_SHR.to(tl.uint32, bitcast=True)
@@ -518,12 +529,15 @@ def _wgrad_tile(
                 if LINEAR:
                     it = (m0 - start).to(tl.uint32, bitcast=True)
                     if PADDED:
-                        inside = _both_below(lp + it * c_p, span_p, lq + it * c_q, span_q, PTX)
+                        if WHOLE:
+                            inside = inside0
+                        else:
+                            inside = _both_below(lp + it * c_p, span_p, lq + it * c_q, span_q, PTX)
                         valid = inside if EVEN_M else valid & inside
                     rel = m0 - start
                     if IDX64:
                         rel = rel.to(tl.int64)
-                    if STRIDE_H > 1:
+                    if STRIDE_H > 1 and not WHOLE:
                         q = tl.umulhi(lu * cq + it * cq, Q.to(tl.uint32)).to(tl.int32, bitcast=True)
                         back = q * (STRIDE_W * (STRIDE_H - 1) * sxw)
                         xp = x_first + rel * (STRIDE_H * STRIDE_W * sxw) + (x_inv - back[None, :])
@@ -621,6 +635,7 @@ def _wgrad_kernel(
     DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, IDX64: tl.constexpr, PRO16: tl.constexpr,
     PTX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
     BLOCK_P: tl.constexpr, UNROLL: tl.constexpr, XW: tl.constexpr = 0, DW: tl.constexpr = 0,
+    WHOLE: tl.constexpr = False,
 ):
     """Two roles in one launch (1-D grid), each needing only what the dgrad launch before it wrote.
 
@@ -634,7 +649,7 @@ def _wgrad_kernel(
         _wgrad_tile(dy_ptr, sdn, sdh, sdw, sdc, x_ptr, sxn, sxh, sxw, sxc, pack_ptr, dw_ptr, swk, swc, swr, sws,
                     pid, M, CHUNK, H, W, C, P, Q, K, Q_MUL, Q_SHR, PQ_MUL, PQ_SHR, CQ, CPQ, GROUPS, R, S,
                     STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SPLIT_K, LINEAR, EVEN_M, EVEN_K, EVEN_C,
-                    DOT_DTYPE, INPUT_PRECISION, IDX64, PRO16, PTX, BLOCK_M, BLOCK_N, BLOCK_R, UNROLL, XW, DW)
+                    DOT_DTYPE, INPUT_PRECISION, IDX64, PRO16, PTX, BLOCK_M, BLOCK_N, BLOCK_R, UNROLL, XW, DW, WHOLE)
     elif SUM_MODE != 0:
         _fold_sums(pack_ptr, psum_ptr, num_parts, gbeta_ptr, ggamma_ptr, coef_ptr, inv_count, C, pid - NUM_WGRAD,
                    SUM_MODE, HAS_GAMMA, BLOCK_C, BLOCK_P)
