@@ -364,7 +364,9 @@ def test_baseline_file_round_trip(tmp_path):
 def test_convs_of_one_block_are_layers_of_their_own():
     """PreActResNet-164's layer1.0 launches the 1×1 wgrad variant for two convs (16→16 and 16→64): the
     jobs name the conv beside the block, so each conv's candidates are judged on their own (one
-    conv's good candidate must not stand in for the other's), and the BatchNorm kernels keep the block."""
+    conv's good candidate must not stand in for the other's), and the BatchNorm kernels keep the block.
+    The staged-halo wgrad of its 3×3 is recorded both split and with one program (dW stored directly,
+    as a GPU runs it for a small batch)."""
     import torch
 
     from fused_preact.bench.shapes import enumerate_units
@@ -378,6 +380,8 @@ def test_convs_of_one_block_are_layers_of_their_own():
     assert {j.shape for j in jobs if j.kernel == "wgrad" and j.variant.startswith("3x3")} == {
         f"{block} 3x3/1 16→16 @32x32"}
     assert {j.shape for j in jobs if j.kernel in ("stats", "finalize")} == {block}
+    # the staged-halo wgrad is compiled split (the meta plan's programs) and storing dW directly
+    assert {j.kwargs["SPLIT_K"] for j in jobs if j.kernel == "wgrad" and "RPI" in j.kwargs} == {True, False}
     # the figures follow: the 16→64 conv's candidate (0.7) does not hide the 16→16 conv's best (1.3)
     a = _e(roles=("candidate",), ratio=0.7, shapes=(f"{block} 1x1/1 16→64 @32x32",))
     b = _e(roles=("candidate",), ratio=1.3, shapes=(f"{block} 1x1/1 16→16 @32x32",))

@@ -14,7 +14,8 @@ would run, so the report compiles what runs. Recorded per block and dtype:
     the heuristic default tiles and every autotune candidate (``TritonPlan.unit_candidates``, the
     tuner's own list per unit), each applied to every conv of the block; each job's
     ``role`` says which (``default``/``candidate``);
-    the wgrad K-split a GPU of each arch would choose (132 SMs on sm_90, 108 on sm_80), besides 1;
+    the wgrad K-split a GPU of each arch would choose (132 SMs on sm_90, 108 on sm_80), and 1 (the
+    staged-halo wgrad's direct store);
     the output statistics epilogue on (a block followed by another) and off (the last block);
     16-bit dtypes also under autocast: an fp32 input (and residual) and fp32 parameters with 16-bit
     compute (mixed-precision training: the plan casts the weights, wgrad stores an fp32 dW), default tiles,
@@ -232,6 +233,9 @@ def chain_jobs(units: Sequence[UnitShape], dtypes: Sequence[torch.dtype]) -> lis
                 split = _gpu_split(plan, sms)
                 if split > 1:
                     runs.append(_Run(modes, True, split=split, archs=(arch,)))
+            # one program per wgrad (a small batch on a GPU): the staged-halo wgrad stores dW directly
+            # (SPLIT_K off), where the meta device's plan gives it 3 programs
+            runs.append(_Run(modes, True, split=1))
             for (kind, tiles), archs in tuned.items():
                 runs.append(_Run(modes, True, {kind: list(tiles)}, tuned=kind,
                                  archs=None if len(archs) == len(SM_COUNT) else tuple(archs)))
