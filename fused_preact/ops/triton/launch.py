@@ -345,14 +345,14 @@ def wgrad(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmConfig, s
     pq_mul, pq_shr = magic(P * Q)
     linear = _linear(g, in_shape, out_shape, in_strides, dy_strides, M + step)
     # a tile of 16 output channels over a stride-1 conv: x's and dy's pixel strides as constexprs
-    narrow = linear and cfg.BLOCK_M <= 16 and g.stride == (1, 1)
+    const_pix = linear and cfg.BLOCK_M <= 16 and g.stride == (1, 1)
     # row blocks of whole images (≤ 128 rows: a 256-row tile's hoisted padding tests spilled on sm_90)
     whole = linear and cfg.BLOCK_K % (P * Q) == 0 and cfg.BLOCK_K <= 128
-    # beside a 1-warp narrow main loop the fold role spilled loading 32 × 64 fp32 partials per step
-    block_p = 8 if narrow and cfg.num_warps == 1 and not interpreting() else _block_p(num_parts)
+    # beside such a 1-warp main loop the fold role spilled loading 32 × 64 fp32 partials per step
+    block_p = 8 if const_pix and cfg.num_warps == 1 and not interpreting() else _block_p(num_parts)
     kw = dict(**_geo(g, in_shape, out_shape), Q_MUL=q_mul, Q_SHR=q_shr, PQ_MUL=pq_mul, PQ_SHR=pq_shr,
               CQ=frac(Q), CPQ=frac(P * Q), SPLIT_K=split > 1,
-              LINEAR=linear, XW=in_strides[2] if narrow else 0, DW=dy_strides[2] if narrow else 0,
+              LINEAR=linear, XW=in_strides[2] if const_pix else 0, DW=dy_strides[2] if const_pix else 0,
               WHOLE=whole,
               EVEN_M=M % step == 0, EVEN_K=K // g.groups % cfg.BLOCK_M == 0,
               EVEN_C=C // g.groups % cfg.BLOCK_N == 0, SUM_MODE=sum_mode, HAS_GAMMA=dgamma is not None,
