@@ -230,6 +230,48 @@ def test_autocast_unrolled_loops(monkeypatch, dtype):
     _autocast_against_float64(fused.to(DEVICE), eager64, torch.randn(2, 32, 6, 6) * 2 + 0.5, dtype)
 
 
+@pytest.mark.parametrize("dtype", AUTOCAST_DTYPES, ids=str)
+def test_autocast_wgrad_on_the_thin_tile(monkeypatch, dtype):
+    """The 2-warp wgrad tile of ≤ 16 output channels over more than 32 input channels
+    (``configs._thin_wgrad_tile``: autocast's default on sm_80 and sm_90) on autocast's fp32 input: a
+    1×1 64→16 over 5·8·8 = 320 rows (two row blocks of 128 per iteration: one full iteration, one
+    masked past the rows) and a 1×1 96→12 (two 64-channel blocks, the second masked; a masked
+    output-channel tile); output and every gradient within the 16-bit tolerance of float64, and the
+    launches took the tile on the fp32 input."""
+    import fused_preact.ops.bn_relu_conv as op_mod
+    import fused_preact.ops.triton.plan as triton_plans
+    from fused_preact.ops.triton import configs, launch
+
+    with monkeypatch.context() as m:  # the GPU's tile (the interpreter's rules do not unroll)
+        m.setattr(configs, "interpreting", lambda: False)
+        thin = configs._thin_wgrad_tile(dtype, 90, True)
+    assert (thin.BLOCK_M, thin.BLOCK_N, thin.num_warps, thin.unroll) == (16, 64, 2, 2)
+    monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: thin)
+    monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
+    seen = []
+    kernel = launch.CK._wgrad_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            run = kernel[grid]
+
+            def launch_(*args, **kwargs):
+                x = dict(zip(kernel.arg_names, args))["x_ptr"]
+                seen.append((x.dtype, kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"]))
+                return run(*args, **kwargs)
+
+            return launch_
+
+    monkeypatch.setattr(launch.CK, "_wgrad_kernel", Spy())
+    for c, k in ((64, 16), (96, 12)):
+        torch.manual_seed(c)
+        fused = FusedBNReLUConv2d(c, k, 1, backend="triton")
+        _randomize_bn(fused, seed=5)
+        eager64 = nn.Sequential(copy.deepcopy(fused.bn), nn.ReLU(), copy.deepcopy(fused.conv)).double()
+        _autocast_against_float64(fused.to(DEVICE), eager64, torch.randn(5, c, 8, 8) * 2 + 0.5, dtype)
+    assert seen and set(seen) == {(torch.float32, 16, 64, 2)}, seen
+
+
 def test_autocast_leaves_float64_alone():
     m = FusedBNReLUConv2d(3, 4, 3, padding=1).double().to(DEVICE)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):

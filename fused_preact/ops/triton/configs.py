@@ -450,8 +450,14 @@ def _narrow_wgrad_tiles(Kg: int, Cg: int, dtype: torch.dtype, arch: int, x32: bo
 
 
 def _thin_wgrad(Kg: int, Cg: int, dtype: torch.dtype, arch: int) -> bool:
-    """Whether the wgrad of ≤ 16 output channels over more than 32 input channels (per group) takes the
-    2-warp tile :func:`_thin_wgrad_tile`: 16-bit compute on sm_80 or later (compute capability ``arch``)."""
+    """Whether the wgrad of ≤ 16 output channels over more than 32 input channels (per group) may take the
+    2-warp tile :func:`_thin_wgrad_tile`: 16-bit compute on sm_80 or later (compute capability ``arch``).
+    It is the default on sm_80 and, for fp32 activations (autocast's), on sm_90 too: there the wgmma
+    tile's loop issues 3.90 instructions per wgmma tensor clock against the thin tile's 2.90 (static,
+    PreActResNet-164's 1×1 64→16), so the thin tile takes less time unless Hopper's mma.sync rate (not
+    published) is below 26% of wgmma's — its time is at least max(2.90, 1 / rate) wgmma tensor times.
+    With 16-bit activations (2.34 against 1.81) the break-even is 43%: a candidate there, measured by
+    the autotuner."""
     return arch >= 80 and dtype in (torch.float16, torch.bfloat16) and Kg <= 16 and Cg > 32
 
 
@@ -462,8 +468,9 @@ def _thin_wgrad_tile(dtype: torch.dtype, arch: int, x32: bool) -> GemmConfig:
     loop's per-warp fixed costs (barrier, waits, address bases, loop control) spread over twice the
     MMAs. mma.sync on sm_90 too (a warpgroup's wgmma needs 4 warps). Static, PreActResNet-164's 1×1
     64→16, bf16 and fp16: sm_80 1.03 → 0.92 (fp32 activations 1.62 → 1.45), sm_90 (against the wgmma
-    tile 16×64×256) 2.34 → 1.81. One warp would cover all 64 (sm_80 0.85) but leave one warp per
-    scheduler at 4 CTAs per SM."""
+    tile 16×64×256) 2.34 → 1.81, with fp32 activations (against the wgmma tile 16×64×2·128) 3.90 →
+    2.90. One warp would cover all 64 (sm_80 0.85) but leave one warp per scheduler at 4 CTAs per
+    SM."""
     return wgrad_unroll(GemmConfig(16, 64, 128, 2, 3), dtype, arch, x32)
 
 
@@ -483,8 +490,9 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x3
     (:func:`_narrow_wgrad_tiles`; ``proj``: the conv is a projection shortcut), and where ``halo``
     (the staged-halo tile's BLOCK_R, :func:`halo_wgrad_rows`; 0: the geometry does not admit it) and
     :func:`halo_wgrad` allow, the staged-halo tile (:func:`halo_wgrad_config`). On sm_80 ≤ 16 output
-    channels over more input channels take a 2-warp tile (:func:`_thin_wgrad`; on sm_90 a candidate
-    beside the wgmma tile, whose rate against mma.sync's a GPU's autotuning measures).
+    channels over more input channels take a 2-warp tile (:func:`_thin_wgrad`; on sm_90 the default
+    for fp32 activations, for 16-bit ones a candidate beside the wgmma tile, whose rate against
+    mma.sync's a GPU's autotuning measures).
     """
     if halo and halo_wgrad(Kg, Cg, dtype, arch, taps):
         return halo_wgrad_config(Kg, Cg, halo)
@@ -496,7 +504,7 @@ def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x3
     bm = p2(Kg, 16, 128)
     if _narrow_wgrad(arch, Cg):
         return _narrow_wgrad_tiles(Kg, Cg, dtype, arch, x32, strided, proj, taps)[0]
-    if _thin_wgrad(Kg, Cg, dtype, arch) and arch < 90:
+    if _thin_wgrad(Kg, Cg, dtype, arch) and (arch < 90 or x32):
         return _thin_wgrad_tile(dtype, arch, x32)
     if bm <= 64 and _wide_wgrad_rows(arch, dtype, x32, strided, Kg):
         return wgrad_unroll(GemmConfig(bm, 64, 256, 4, 2), dtype, arch, x32, taps)
