@@ -208,6 +208,24 @@ def test_wgrad_unrolled_loop(monkeypatch, shape, split):
     _run(shape, True, True, torch.float16)
 
 
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("shape, cfg", [
+    ((2, 16, 5, 7, 16, 3, 1, 1, 1, 1), GemmConfig(16, 16, 32)),
+    ((2, 16, 5, 7, 16, 3, 1, 1, 1, 1), GemmConfig(16, 16, 32, unroll=2)),
+    ((3, 16, 5, 7, 16, 1, 2, 0, 1, 1), GemmConfig(16, 16, 32)),
+    ((2, 16, 6, 6, 32, 3, 2, 1, 1, 1), GemmConfig(32, 16, 16)),
+    ((2, 16, 7, 7, 16, 3, 2, 1, 1, 1), GemmConfig(16, 16, 16)),
+], ids=lambda v: _ids(v) if isinstance(v, tuple) else v.label())
+def test_wgrad_row_tails(monkeypatch, shape, cfg, split):
+    """wgrad over rows that do and do not fill its steps (EVEN_M: no row mask but the padding's): 70
+    rows in steps of 32 (two full, 6 rows left) and of 2·32 (one full), a strided 1×1 over an odd image
+    (not pixel-linear: divisions) of 36 rows, a padded strided 3×3 of 18 rows in steps of 16, and a
+    padded strided 3×3 over an odd image (divisions) of 32 rows in steps of 16 (every step full);
+    alone and in split-K chunks."""
+    _force_wgrad(monkeypatch, cfg, split)
+    _run(shape, True, True, torch.float16, dy_channels_last=True)
+
+
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("shape, cfg", [
     ((2, 16, 9, 7, 16, 3, 1, 1, 1, 1), GemmConfig(16, 16, 128, 1, 2, unroll=2)),
@@ -221,10 +239,15 @@ def test_narrow_wgrad_tiles(monkeypatch, shape, cfg, split):
     sm_90): BLOCK_N of 16 or 32 channels in 1 or 2 warps, unrolled with one output-channel piece, or up to four pieces of them (72
     output channels: the last tile partly masked; 3 groups of 16 → 32 channels), alone and in split-K
     chunks."""
+    _force_wgrad(monkeypatch, cfg, split)
+    _run(shape, True, True, torch.float16)
+
+
+def _force_wgrad(monkeypatch, cfg: GemmConfig, split: int) -> None:
+    """Every wgrad launch takes the tile ``cfg`` and the K-split ``split`` (the cached plans dropped)."""
     monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: cfg)
     monkeypatch.setattr(triton_plans, "wgrad_split", lambda m_total, tiles, block_k, device: split)
     monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
-    _run(shape, True, True, torch.float16)
 
 
 def _spy_wgrad(monkeypatch, *names: str) -> list:
@@ -265,9 +288,7 @@ def test_wgrad_of_16_output_channels(monkeypatch, shape, cfg, split):
     input channels, in blocks of 16), a padded 3×3 with 12 output channels (masked), and one iteration
     longer than all the rows (masked), alone and in split-K chunks; the launches did take the
     constexpr strides."""
-    monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: cfg)
-    monkeypatch.setattr(triton_plans, "wgrad_split", lambda m_total, tiles, block_k, device: split)
-    monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
+    _force_wgrad(monkeypatch, cfg, split)
     seen = _spy_wgrad(monkeypatch, "XW", "DW")
     _run(shape, True, True, torch.float16, dy_channels_last=True)
     K = shape[4]
@@ -287,9 +308,7 @@ def test_wgrad_row_blocks_of_whole_images(monkeypatch, shape, cfg, split):
     outside the loop. Several row blocks per program (two 4×4 images per block of 32 rows, one 16-row
     image per block), the last one partly past the rows (3 or 5 images), unrolled, a masked
     output-channel tile, alone and in split-K chunks; the launches did take that path."""
-    monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: cfg)
-    monkeypatch.setattr(triton_plans, "wgrad_split", lambda m_total, tiles, block_k, device: split)
-    monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
+    _force_wgrad(monkeypatch, cfg, split)
     seen = _spy_wgrad(monkeypatch, "WHOLE")
     _run(shape, True, True, torch.float16, dy_channels_last=True)
     assert seen and all(w for (w,) in seen), seen

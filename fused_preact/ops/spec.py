@@ -269,7 +269,8 @@ def validate_chain(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tup
                 raise RuntimeError(f"{name} should contain {c} elements not {vec.numel()} (the BatchNorm before "
                                    f"conv {i} has {vec.numel()} features, its input {c} channels)")
         if modes[i].kind == BATCH and n * h * wd == 1:
-            raise ValueError(f"Expected more than 1 value per channel when training, got input size {list(shape)}")
+            raise ValueError("Expected more than 1 value per channel when training, got input size "
+                             f"{torch.Size(shape)}")
         if modes[i].kind == BATCH and not t.eps[i] > 0:
             raise ValueError(f"batch_norm eps must be positive during training, but got {t.eps[i]}")
         if modes[i].kind == RUNNING and t.eps[i] < 0:

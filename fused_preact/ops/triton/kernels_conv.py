@@ -555,7 +555,8 @@ def _wgrad_tile(
                     ih = p * STRIDE_H + dh
                     iw = q * STRIDE_W + dw_
                     if PADDED:
-                        valid &= _both_below(ih.to(tl.uint32, bitcast=True), H, iw.to(tl.uint32, bitcast=True), W, PTX)
+                        inside = _both_below(ih.to(tl.uint32, bitcast=True), H, iw.to(tl.uint32, bitcast=True), W, PTX)
+                        valid = inside if EVEN_M else valid & inside
                     xp = x_base + (nb * sxn + ih * sxh + iw * sxw)[None, :]
                     dy_rows = dy_ptr
                     dy_off = (nb * sdn + p * sdh + q * sdw)[:, None]
