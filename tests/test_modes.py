@@ -238,31 +238,16 @@ def test_autocast_wgrad_on_the_thin_tile(monkeypatch, dtype):
     masked past the rows) and a 1×1 96→12 (two 64-channel blocks, the second masked; a masked
     output-channel tile); output and every gradient within the 16-bit tolerance of float64, and the
     launches took the tile on the fp32 input."""
-    import fused_preact.ops.bn_relu_conv as op_mod
-    import fused_preact.ops.triton.plan as triton_plans
-    from fused_preact.ops.triton import configs, launch
+    from test_op import _force_wgrad, _spy_wgrad
+
+    from fused_preact.ops.triton import configs
 
     with monkeypatch.context() as m:  # the GPU's tile (the interpreter's rules do not unroll)
         m.setattr(configs, "interpreting", lambda: False)
         thin = configs._thin_wgrad_tile(dtype, 90, True)
     assert (thin.BLOCK_M, thin.BLOCK_N, thin.num_warps, thin.unroll) == (16, 64, 2, 2)
-    monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: thin)
-    monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
-    seen = []
-    kernel = launch.CK._wgrad_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            run = kernel[grid]
-
-            def launch_(*args, **kwargs):
-                x = dict(zip(kernel.arg_names, args))["x_ptr"]
-                seen.append((x.dtype, kwargs["BLOCK_M"], kwargs["BLOCK_N"], kwargs["num_warps"]))
-                return run(*args, **kwargs)
-
-            return launch_
-
-    monkeypatch.setattr(launch.CK, "_wgrad_kernel", Spy())
+    _force_wgrad(monkeypatch, thin, 1)
+    seen = _spy_wgrad(monkeypatch, "x_ptr", "BLOCK_M", "BLOCK_N", "num_warps")
     for c, k in ((64, 16), (96, 12)):
         torch.manual_seed(c)
         fused = FusedBNReLUConv2d(c, k, 1, backend="triton")

@@ -252,7 +252,8 @@ def _force_wgrad(monkeypatch, cfg: GemmConfig, split: int) -> None:
 
 def _spy_wgrad(monkeypatch, *names: str) -> list:
     """Spy on the implicit-GEMM wgrad kernel's launches: the returned list gets, per launch, the tuple
-    of the named keyword arguments (constexprs) it was launched with."""
+    of the named arguments it was launched with — a keyword argument's value (constexprs, launch
+    options), a positional tensor's dtype."""
     seen: list = []
 
     class Spy:
@@ -263,7 +264,8 @@ def _spy_wgrad(monkeypatch, *names: str) -> list:
             run = self.kernel[grid]
 
             def launch_(*args, **kwargs):
-                seen.append(tuple(kwargs[n] for n in names))
+                positional = dict(zip(self.kernel.arg_names, args))
+                seen.append(tuple(kwargs[n] if n in kwargs else positional[n].dtype for n in names))
                 return run(*args, **kwargs)
 
             return launch_
