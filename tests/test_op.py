@@ -183,14 +183,19 @@ def test_fprop_unrolled_loop(monkeypatch, shape):
     _run(shape, True, True, torch.float16)
 
 
+def _force_wgrad(monkeypatch, cfg: GemmConfig, split: int) -> None:
+    """Every wgrad launch takes the tile ``cfg`` and the K-split ``split`` (the cached plans dropped)."""
+    monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: cfg)
+    monkeypatch.setattr(triton_plans, "wgrad_split", lambda m_total, tiles, block_k, device: split)
+    monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_wide_wgrad_tiles_with_split_k(monkeypatch, dtype):
     """sm_90's wgrad tiles of 64 output channels (256 rows, 2 stages) with split-K partials (tap-major)
     run through the interpreter: 64 → 64 channels 3×3 over 2·20·20 = 800 rows in 3 splits, i.e. 267-row
     chunks of one full and one partial row block each."""
-    monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: GemmConfig(64, 64, 256, 4, 2))
-    monkeypatch.setattr(triton_plans, "wgrad_split", lambda m_total, tiles, block_k, device: 3)
-    monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
+    _force_wgrad(monkeypatch, GemmConfig(64, 64, 256, 4, 2), 3)
     _run((2, 64, 20, 20, 64, 3, 1, 1, 1, 1), True, True, dtype)
 
 
@@ -202,9 +207,7 @@ def test_wgrad_unrolled_loop(monkeypatch, shape, split):
     per iteration, alone and in split-K chunks — a padded 3×3, a strided 1×1 and a 1×1 over 96 rows
     (whole row blocks) whose last iteration's second block runs past the rows (masked), and a 1×1
     over 128 rows (whole iterations, no row mask)."""
-    monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: GemmConfig(16, 16, 32, unroll=2))
-    monkeypatch.setattr(triton_plans, "wgrad_split", lambda m_total, tiles, block_k, device: split)
-    monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
+    _force_wgrad(monkeypatch, GemmConfig(16, 16, 32, unroll=2), split)
     _run(shape, True, True, torch.float16)
 
 
@@ -241,13 +244,6 @@ def test_narrow_wgrad_tiles(monkeypatch, shape, cfg, split):
     chunks."""
     _force_wgrad(monkeypatch, cfg, split)
     _run(shape, True, True, torch.float16)
-
-
-def _force_wgrad(monkeypatch, cfg: GemmConfig, split: int) -> None:
-    """Every wgrad launch takes the tile ``cfg`` and the K-split ``split`` (the cached plans dropped)."""
-    monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: cfg)
-    monkeypatch.setattr(triton_plans, "wgrad_split", lambda m_total, tiles, block_k, device: split)
-    monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
 
 
 def _spy_wgrad(monkeypatch, *names: str) -> list:
