@@ -21,7 +21,10 @@ reach with the same compilers (entries of kind ``anchor``, never checked against
                            (``csrc/build_config.py``); skipped with a note when nvcc or the headers
                            are missing
 
-Tiles are ``BLOCK_MxBLOCK_NxBLOCK_K w<warps> s<stages>`` (:data:`TRITON_ANCHORS`).
+Tiles are ``BLOCK_MxBLOCK_NxBLOCK_K w<warps> s<stages>`` (:data:`TRITON_ANCHORS`). The ones 16 columns
+wide (``…x16x…``) are the narrowest layers' GEMMs without their fusions: fprop/dgrad-shaped (N = 16
+output channels, K steps of 64 or of 16, one filter tap of 16 channels) and a 1×1 wgrad of 16 output
+channels (Aᵀ·B, 64 × 16 per tile).
 """
 
 from __future__ import annotations
@@ -113,6 +116,11 @@ TRITON_ANCHORS: dict[str, tuple[str, int, int, int, int, int]] = {
     "triton-atb-64x64x64": ("atb", 64, 64, 64, 4, 4),
     "triton-tma-128x64x64": ("tma", 128, 64, 64, 8, 3),
     "triton-tma-128x128x64": ("tma", 128, 128, 64, 8, 3),
+    # 16 columns: the width of the narrowest layers' MMAs (PreActResNet-164's 16-channel stage)
+    "triton-matmul-256x16x64": ("matmul", 256, 16, 64, 4, 3),
+    "triton-matmul-256x16x16": ("matmul", 256, 16, 16, 4, 3),
+    "triton-atb-64x16x256": ("atb", 64, 16, 256, 4, 3),
+    "triton-tma-256x16x64": ("tma", 256, 16, 64, 4, 3),
 }
 #: name → (tile label, schedule as it appears in the kernel's demangled name).
 CUTLASS_ANCHORS: dict[str, tuple[str, str]] = {
