@@ -337,6 +337,33 @@ def test_plans_choose_the_halo_for_narrow_convs(monkeypatch):
     assert not p.units[0].fcfg.halo
 
 
+def test_halo_sync_tile_is_an_sm90_candidate(monkeypatch):
+    """On sm_90 the 16 → 16 staged halo's autotune candidates add the 2-warp mma.sync tile
+    (``halo_sync_config``) beside the wgmma default, where its 128 rows' staging fits: not over
+    160-wide images (where the default's 256 rows fit), not on sm_80, not over 32 channels."""
+    from fused_preact.ops import BATCH, BNMode
+    from fused_preact.ops.spec import ChainSpec
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    sync = GemmConfig(128, 16, 16, 2, 2, halo=True)
+
+    def fprop_candidates(C, K, hw, arch, N=16):
+        g = ConvGeom(C, K, (3, 3), padding=(1, 1))
+        x = torch.empty(N, C, hw, hw, device="meta", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+        p = triton_plans.TritonPlan(ChainSpec((g,), residual="none"), (BNMode(BATCH, True, True),), x.shape, x.stride(),
+                                    x.dtype, x.device, torch.bfloat16, False, True, tune=False, arch=arch)
+        assert p.units[0].fcfg == halo_config(K, C, arch)  # the default stays the wgmma (sm_80: 4-warp) tile
+        return p.unit_candidates(p.units[0], 0, "fprop")
+
+    assert sync in fprop_candidates(16, 16, 32, 90)
+    assert sync not in fprop_candidates(16, 16, 32, 80) and sync not in fprop_candidates(32, 32, 32, 90)
+    g = ConvGeom(16, 16, (3, 3), padding=(1, 1))
+    wide = ((16, 16, 160, 160), (16, 16, 160, 160))
+    assert halo_geometry(g, *wide, 90) and not halo_geometry(g, *wide, 90, rows=128)
+    wide_candidates = fprop_candidates(16, 16, 160, 90)
+    assert halo_config(16, 16, 90) in wide_candidates and sync not in wide_candidates
+
+
 def test_halo_launch_refuses_what_it_does_not_take(monkeypatch):
     """An fp32 conv forced onto a halo tile is refused with the reason, not run."""
     monkeypatch.setattr(triton_plans, "fprop_config", lambda *a, **k: GemmConfig(16, 16, 16, halo=True))

@@ -71,13 +71,18 @@ def test_report_on_one_layer_and_cache(tmp_path):
         assert e["regs"] > 0 and e["stack_bytes"] >= 0 and e["shared_bytes"] >= 0 and e["instructions"] > 0
         assert set(e["ldg_by_width"]) >= {"128", "64", "32", "16", "8"} and set(e["async_copies"]) == {"LDGSTS", "UTMALDG"}
         assert e["shapes"] and all("preact_resnet164/" in s for s in e["shapes"])
+    # sm_90 runs wgmma, but for the staged halo's mma.sync candidate (configs.halo_sync_config)
+    sync = lambda e: e["arch"] == "sm_90" and e["config"] == "128x16x16 w2 s2 h"
+    assert any(sync(e) for e in conv)
     for e in conv:
-        assert e["mma"] > 0 and e["mma_by_op"].get("HGMMA" if e["arch"] == "sm_90" else "HMMA") == e["mma"]
+        wgmma = e["arch"] == "sm_90" and not sync(e)
+        assert (e["mma"] > 0) != sync(e)  # (the arch's own instruction: HGMMA on sm_90)
+        assert e["mma_by_op"].get("HGMMA" if wgmma else "HMMA") == sum(e["mma_by_op"].values()) > 0
         # the 3×3 16→16's tiles fit its channels: all of the MMA work is real, and no two warps
         # compute the same results
         assert set(e["mma_util"]) == set(e["shapes"]) and set(e["mma_util"].values()) == {1.0}
         assert e["mma_dots"] and e["mma_replication"] == 1.0
-        assert {d["op"] for d in e["mma_dots"]} == {"ttng.warp_group_dot" if e["arch"] == "sm_90" else "tt.dot"}
+        assert {d["op"] for d in e["mma_dots"]} == {"ttng.warp_group_dot" if wgmma else "tt.dot"}
         # aligned tensors carry the divisibility attribute; autocast's launches (x32) read an fp32 input
         # or residual
         if "x32" in e["variant"]:
@@ -318,9 +323,10 @@ def test_check_rules_and_table():
 
 def test_check_accepts_mma_sync_only_where_wgmma_cannot_run():
     """On sm_90 a convolution on HMMA passes only as a narrow (wgrad or wgrad_proj, BLOCK_N ≤ 32) or thin
-    (BLOCK_M ≤ 16) wgrad tile whose dots all have fewer rows than wgmma's 64 or run in fewer than a
-    warpgroup's 4 warps (``_narrow_mma_sync``); a 64-row dot in 4 warps, another kernel, a wider tile,
-    unread dots or no dot records fail; sm_80's HMMA is judged as before."""
+    (BLOCK_M ≤ 16) wgrad tile or a staged-halo fprop tile of ≤ 16 output channels whose dots all have
+    fewer rows than wgmma's 64 or run in fewer than a warpgroup's 4 warps (``_narrow_mma_sync``); a
+    64-row dot in 4 warps, another kernel, a wider tile, unread dots or no dot records fail; sm_80's
+    HMMA is judged as before."""
     dot = lambda rows, op="tt.dot", warps=(4, 1): {"op": op, "shape": [rows, 16], "warps": list(warps),
                                                    "instr": [16, 8], "replication": 1.0}
     hmma = dict(kernel="wgrad", mma=0, mma_by_op={"HMMA": 32}, constexprs={"BLOCK_N": "16"})
@@ -344,6 +350,16 @@ def test_check_accepts_mma_sync_only_where_wgmma_cannot_run():
                                 _entry(**dict(thin, constexprs={"BLOCK_M": "32", "BLOCK_N": "64"}),
                                        mma_dots=[dot(64, warps=(2, 1))])])
     assert len(bad) == 2 and all("no HGMMA" in b for b in bad)
+    # the staged-halo fprop's 2-warp tile over 16 output channels; not in 4 warps, not 32 wide, not
+    # the implicit-GEMM fprop
+    halo = dict(hmma, kernel="fprop", constexprs={"BLOCK_M": "128", "BLOCK_N": "16", "STAGE_ROWS": "128"})
+    assert limits.check_entries([_entry(**halo, mma_dots=[dot(128, warps=(2, 1))])]) == []
+    bad = limits.check_entries([_entry(**halo, mma_dots=[dot(128)]),
+                                _entry(**dict(halo, constexprs={"BLOCK_N": "32", "STAGE_ROWS": "128"}),
+                                       mma_dots=[dot(128, warps=(2, 1))]),
+                                _entry(**dict(halo, constexprs={"BLOCK_M": "128", "BLOCK_N": "16"}),
+                                       mma_dots=[dot(128, warps=(2, 1))])])
+    assert len(bad) == 3 and all("no HGMMA" in b for b in bad)
     assert limits.check_entries([_entry(arch="sm_80", mma=32, mma_by_op={"HMMA": 32})]) == []
 
 

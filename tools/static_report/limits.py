@@ -41,17 +41,20 @@ def _operand_load_problems(e: dict) -> list[str]:
 
 
 def _narrow_mma_sync(e: dict, arch: int) -> bool:
-    """Whether a compilation for sm_90+ is one of the narrow or thin wgrad tiles that uses mma.sync (HMMA)
-    because no dot of it can take wgmma: a ``wgrad``/``wgrad_proj`` kernel with BLOCK_N ≤ 32
+    """Whether a compilation for sm_90+ is one of the narrow or thin tiles that use mma.sync (HMMA)
+    because no dot of them can take wgmma: a ``wgrad``/``wgrad_proj`` kernel with BLOCK_N ≤ 32
     (``configs._narrow_wgrad_tiles``; the staged-halo wgrad's C, its tile's input channels, ≤ 32) or
-    BLOCK_M ≤ 16 (``configs._thin_wgrad_tile``), every dot of which (``mma_dots``, all of them read)
+    BLOCK_M ≤ 16 (``configs._thin_wgrad_tile``), or the staged-halo fprop (``STAGE_ROWS``) with
+    BLOCK_N ≤ 16 (``configs.halo_sync_config``), every dot of which (``mma_dots``, all of them read)
     has fewer than 64 result rows, wgmma's least M (64 per warpgroup), or runs in fewer than the 4
     warps of a warpgroup. Any other convolution on HMMA still fails."""
     dots = e.get("mma_dots") or []
     const = e.get("constexprs") or {}
     block_n = int(str(const.get("BLOCK_N", const.get("C", "0") if "RPI" in const else "0")) or 0)
     block_m = int(str(const.get("BLOCK_M", "0")) or 0)
-    return (arch >= 90 and e.get("kernel") in ("wgrad", "wgrad_proj") and (0 < block_n <= 32 or 0 < block_m <= 16)
+    wgrad = e.get("kernel") in ("wgrad", "wgrad_proj") and (0 < block_n <= 32 or 0 < block_m <= 16)
+    halo_fprop = e.get("kernel") == "fprop" and "STAGE_ROWS" in const and 0 < block_n <= 16
+    return (arch >= 90 and (wgrad or halo_fprop)
             and bool(e.get("mma_by_op", {}).get("HMMA")) and bool(dots) and not e.get("mma_dots_unparsed")
             and all(d["op"] == "tt.dot" and (d["shape"][0] < 64 or math.prod(d.get("warps") or [4]) < 4)
                     for d in dots))

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import math
 import os
+from typing import Optional
 
 import torch
 
@@ -20,8 +21,8 @@ from fused_preact.ops.spec import BNMode, ConvGeom
 __all__ = ["GemmConfig", "UnitPlan", "fprop_config", "fprop_unroll", "wgrad_unroll", "quad_channels", "dgrad_slots",
            "dgrad_config", "wgrad_config", "candidates", "wgrad_split", "split_for", "arch_of", "p2", "contig_nhwc",
            "out_strides", "nhwc_strides_of", "is_channels_last", "max_offset", "INTERP_SUM_ROWS", "FOLD_BLOCK", "INT32_MAX",
-           "one_step_tile", "LOOP_FREE", "halo_fprop", "halo_config", "halo_rows", "halo_geometry", "HALO_CHANNELS",
-           "HALO_MAX_STAGED"]
+           "one_step_tile", "LOOP_FREE", "halo_fprop", "halo_config", "halo_sync_config", "halo_rows", "halo_geometry",
+           "HALO_CHANNELS", "HALO_MAX_STAGED"]
 
 INT32_MAX = 2**31 - 1
 #: Rows per statistics tile under the interpreter: its sums are sequential in fp32, so tiles stay short.
@@ -167,18 +168,19 @@ def halo_fprop(M: int, Kg: int, Cg: int, dtype: torch.dtype, arch: int, taps: in
 HALO_MAX_STAGED = 3
 
 
-def halo_geometry(g: ConvGeom, in_shape, out_shape, arch: int) -> bool:
+def halo_geometry(g: ConvGeom, in_shape, out_shape, arch: int, rows: int = 0) -> bool:
     """Whether a conv's geometry admits the staged-halo fprop (the plan's ``halo`` for
     :func:`fprop_config`): groups 1; at most 3 taps per filter row (the loop holds a filter row's
     taps in shared memory at once: a 1×8 32→32 takes 245,760 bytes on sm_90, over its 232,448); and
     the staging buffer, ``cdiv(M, rows)·halo_rows`` pixels, at most :data:`HALO_MAX_STAGED` times the
     input's N·H·W pixels — image rows much wider than a tile, or a dilated filter, stage far more
-    pixels than the tile outputs (a 3×3 over 1024-wide rows: 9 per output pixel, no gain)."""
+    pixels than the tile outputs (a 3×3 over 1024-wide rows: 9 per output pixel, no gain). ``rows``:
+    output pixels per tile (0: :func:`halo_config`'s)."""
     N, C, H, W = in_shape
     K = out_shape[1]
     if g.groups != 1 or g.kernel[1] > 3:
         return False
-    rows = halo_config(K, C, arch).BLOCK_M
+    rows = rows or halo_config(K, C, arch).BLOCK_M
     tiles = triton.cdiv(N * out_shape[2] * out_shape[3], rows)
     return tiles * halo_rows(in_shape, out_shape, g, rows) <= HALO_MAX_STAGED * N * H * W
 
@@ -189,6 +191,20 @@ def halo_config(Kg: int, Cg: int, arch: int) -> GemmConfig:
     3 stages on sm_90, 2 on sm_80 (static, 3×3 16→16: 0.47 against 0.49–0.53 with 3)."""
     n = p2(Kg, 16, 32)
     return GemmConfig(256 if n * Cg <= 16 * 16 else 128, n, Cg, 4, 3 if arch >= 90 else 2, halo=True)
+
+
+def halo_sync_config(Kg: int, Cg: int, arch: int) -> Optional[GemmConfig]:
+    """The staged-halo fprop's mma.sync tile, an autotune candidate beside :func:`halo_config`'s wgmma
+    tile on sm_90 for 16 × 16 channels (None elsewhere): 128 rows over 2 warps (fewer than a
+    warpgroup, so Triton emits mma.sync), 2 stages. Static, PreActResNet-164's 3×3 16→16: its loop
+    issues 85–88 instructions (bf16; fp16 78–81) for 24 ``HMMA.16816``, 0.81–0.92 of their tensor
+    time counted at wgmma's rate, where the wgmma tile issues 139 for 12 ``HGMMA.64x16x16`` (1.41–1.49).
+    Its loop is the shorter one if Hopper's mma.sync rate is above about 69% of wgmma's, which no data
+    sheet states; the layer's memory traffic (4.1 tensor times) covers either loop unless that rate is
+    below 24%. The tuner times both on the GPU; the wgmma tile stays the default."""
+    if arch >= 90 and p2(Kg, 16, 32) == 16 and Cg == 16:
+        return GemmConfig(128, 16, 16, 2, 2, halo=True)
+    return None
 
 
 def halo_rows(in_shape, out_shape, g: ConvGeom, block_m: int) -> int:

@@ -47,7 +47,9 @@ from fused_preact.ops.triton.configs import (
     dgrad_config,
     dgrad_slots,
     fprop_config,
+    halo_fprop,
     halo_geometry,
+    halo_sync_config,
     halo_wgrad_programs,
     halo_wgrad_rows,
     is_channels_last,
@@ -175,11 +177,20 @@ class TritonPlan:
 
     def unit_candidates(self, u: UnitPlan, i: int, kind: str) -> list[GemmConfig]:
         """The autotune candidates of the ``kind`` kernel (fprop, dgrad, wgrad) of u, unit i: the ones
-        the tuner times and the static report compiles."""
+        the tuner times and the static report compiles (:func:`~.configs.candidates`; for an fprop on
+        the staged halo also its mma.sync tile, :func:`~.configs.halo_sync_config`, where that tile's
+        rows' staging fits, :func:`~.configs.halo_geometry`)."""
         g = u.geom
         Cg, Kg = u.in_shape[1] // g.groups, u.out_shape[1] // g.groups
         m, n, k = {"fprop": (u.M_out, Kg, Cg), "dgrad": (u.M_in, Cg, Kg), "wgrad": (Kg, Cg, u.M_out)}[kind]
-        return candidates(kind, m, n, k, self.cdtype, **self.tile_args(i, g, kind))
+        args = self.tile_args(i, g, kind)
+        out = candidates(kind, m, n, k, self.cdtype, **args)
+        sync = halo_sync_config(Kg, Cg, self.arch) if kind == "fprop" else None
+        # the staged halo's mma.sync tile: where the wgmma one is a candidate and its rows' staging fits
+        if (sync is not None and args["halo"] and halo_fprop(m, n, k, self.cdtype, self.arch, args["taps"], args["proj"])
+                and halo_geometry(g, u.in_shape, u.out_shape, self.arch, sync.BLOCK_M)):
+            out.append(sync)
+        return out
 
     # ------------------------------------------------------------------------------------ layout
     def _plan_proj(self, split: Optional[int]) -> None:
