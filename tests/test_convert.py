@@ -436,6 +436,53 @@ def test_verify_false_trusts_the_usual_layout():
     assert (model(x) - eager(x)).abs().max() > 1e-3
 
 
+class OwnStateBlock(CifarPreActBlock):
+    """A block holding a parameter and buffers of its own; ``scaled`` multiplies its branch by
+    ``scale`` (a buffer, as a residual scale may be held)."""
+
+    def __init__(self, c, scaled=False, clash=False):
+        super().__init__(c, c)
+        self.aux = nn.Parameter(torch.ones(3))  # read elsewhere (a loss), not by forward
+        self.register_buffer("step_count", torch.zeros((), dtype=torch.long))
+        self.register_buffer("scale", torch.ones(()))
+        self.register_buffer("cache", torch.zeros(2), persistent=False)
+        if clash:
+            self.register_buffer("steps", torch.zeros(()))  # a name ConvertedPreActBlock uses
+        self.scaled = scaled
+
+    def forward(self, x):
+        out = self.conv2(F.relu(self.bn2(self.conv1(F.relu(self.bn1(x))))))
+        return (out * self.scale if self.scaled else out) + x
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_converted_block_keeps_its_own_parameters_and_buffers(verify):
+    """A block's own parameters and buffers stay its state (names, order, persistence, the same
+    tensors), its original forward sees them as they are now once it runs again; a forward that reads
+    one of them is refused by the probe, a name the converted block uses itself either way."""
+    torch.manual_seed(0)
+    model = nn.Sequential(OwnStateBlock(4))
+    eager = copy.deepcopy(model)
+    keys, params = list(model.state_dict()), [id(p) for p in model.parameters()]
+    _, report = convert(model, verify=verify, report=True)
+    assert isinstance(model[0], ConvertedPreActBlock), _reasons(report)
+    assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
+    assert "cache" not in model.state_dict() and dict(model.named_buffers())["0.cache"].shape == (2,)
+    model.load_state_dict(eager.state_dict())
+    x = torch.randn(2, 4, 6, 6)
+    assert_close(model(x), eager(x), torch.float32, "output")
+    for m in (model[0], eager[0]):  # an attribute changed: the original forward runs, reading a new buffer
+        m.scaled, m.scale = True, torch.full((), 3.0)
+    assert_close(model(x), eager(x), torch.float32, "original forward")
+    scaled = nn.Sequential(OwnStateBlock(4, scaled=True))
+    _, report = convert(scaled, report=True)
+    assert not report.replaced and "output differs" in _reasons(report)
+    clash = nn.Sequential(OwnStateBlock(4, clash=True))
+    _, report = convert(clash, verify=verify, report=True)
+    assert not report.replaced and "['steps']" in _reasons(report)
+    assert type(clash[0]) is OwnStateBlock
+
+
 def test_preactivated_identity_snippet():
     torch.manual_seed(0)
     model = CifarNet([PreactIdentityBlock(8, 8), CifarPreActBlock(8, 8)]).to(DEVICE)

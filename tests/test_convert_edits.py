@@ -131,11 +131,21 @@ class TimmStyleBasic(nn.Module):
         return self.drop_path(self.conv2(self.norm2(self.conv1(a)))) + self.downsample(x)
 
 
+def _double_its_output(mod: nn.Module, how: str, seen: list) -> None:
+    """Make ``mod``'s call return twice its output: a forward hook, or a ``forward`` set on the instance
+    (a monkeypatch; offloading wrappers replace it so)."""
+    if how == "hook":
+        mod.register_forward_hook(lambda m, i, o: seen.append(1) or o * 2)
+    else:
+        mod.forward = (lambda f: lambda x: seen.append(1) or f(x) * 2)(mod.forward)
+
+
+@pytest.mark.parametrize("how", ["hook", "instance-forward"])
 @pytest.mark.parametrize("where", ["projection-container", "identity-shortcut", "drop-path"])
-def test_hooks_added_after_convert_on_unfused_parts_run(where):
-    """A hook added after ``convert()`` to a module the fused reading does not call — the
-    ``Sequential`` around a fused projection, an identity shortcut, an inactive drop path — runs, and
-    changes the output as it does eagerly."""
+def test_hooks_added_after_convert_on_unfused_parts_run(where, how):
+    """A hook, or a forward set on the instance, added after ``convert()`` to a module the fused
+    reading does not call — the ``Sequential`` around a fused projection, an identity shortcut, an
+    inactive drop path — runs, and changes the output as it does eagerly."""
     torch.manual_seed(0)
     block = {"projection-container": lambda: CifarPreActBlock(4, 8, stride=2),
              "identity-shortcut": lambda: TimmStyleBasic(4), "drop-path": lambda: TimmStyleBasic(4)}[where]()
@@ -146,9 +156,26 @@ def test_hooks_added_after_convert_on_unfused_parts_run(where):
     name = {"projection-container": "shortcut", "identity-shortcut": "downsample", "drop-path": "drop_path"}[where]
     seen = []
     for m in (model, eager):
-        getattr(m[0], name).register_forward_hook(lambda mod, i, o: seen.append(1) or o * 2)
+        _double_its_output(getattr(m[0], name), how, seen)
     x = torch.randn(2, 4, 6, 6)
     assert_close(model(x), eager(x), torch.float32, where)
+    assert len(seen) == 2
+
+
+@pytest.mark.parametrize("how", ["hook", "instance-forward"])
+def test_fused_sequential_calls_a_relu_given_a_hook_or_forward(how):
+    """A run's ReLU given a hook or a forward of its own after ``convert()`` is called, as eagerly."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1))
+    convert(seq)
+    assert isinstance(seq, FusedSequential) and seq.fused_runs
+    eager = copy.deepcopy(seq)
+    eager.__class__ = nn.Sequential
+    seen = []
+    for m in (seq, eager):
+        _double_its_output(m[1], how, seen)
+    x = torch.randn(2, 4, 6, 6)
+    assert_close(seq(x), eager(x), torch.float32, how)
     assert len(seen) == 2
 
 

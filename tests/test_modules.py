@@ -112,6 +112,27 @@ def test_blocks_match_eager(cls, eager_cls, in_planes, planes, stride, train, ba
     _compare(fused, eager.double(), torch.randn(2, in_planes, 9, 7) + 0.5, train)
 
 
+@pytest.mark.parametrize("value", [2, (2,)], ids=["int", "1-tuple"])
+@pytest.mark.parametrize("attr", ["stride", "padding", "dilation"])
+def test_conv_attributes_set_as_int_after_construction(attr, value):
+    """An int or a 1-tuple assigned to a conv's stride, padding or dilation (``F.conv2d`` expands both):
+    the fused unit and a block's projection shortcut compute what eager does."""
+    torch.manual_seed(0)
+    fused = FusedBNReLUConv2d(4, 4, 3, padding=1, backend="triton").to(DEVICE)
+    eager = nn.Sequential(copy.deepcopy(fused.bn), nn.ReLU(), copy.deepcopy(fused.conv)).double()
+    for conv in (fused.conv, eager[2]):
+        setattr(conv, attr, value)
+    x = torch.randn(2, 4, 7, 7)
+    assert_close(fused(x.to(DEVICE)), eager(x.double()), torch.float32, attr)
+    block = FusedPreActBlock(4, 8, 2, backend="triton").to(DEVICE)
+    ref = PreActBlock(4, 8, 2).double()
+    ref.load_state_dict(block.state_dict())
+    for b in (block, ref):
+        b.shortcut.stride = b.conv1.stride = 2 if value == 2 else (2,)
+    assert_close(block(x.to(DEVICE)), ref(x.double()), torch.float32, "block")
+    assert block.last_backend == "triton"
+
+
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
 def test_identity_shortcut_reads_raw_input(backend):
     """With the residual branch zeroed, the block is exactly the identity on the raw input."""
@@ -177,7 +198,9 @@ def test_unknown_backend():
         (torch.ones(2, 3, 4, 4, dtype=torch.long), RuntimeError, "expected a floating-point input, got torch.int64"),
         (torch.ones(2, 3, 4, 4, dtype=torch.bool), RuntimeError, "expected a floating-point input, got torch.bool"),
         (torch.randn(2, 3, 4, 4, dtype=torch.float16), RuntimeError, r"Input type \(torch.float16\) and weight type"),
-        (torch.randn(2, 3, 1, 4), RuntimeError, "Output size is too small"),
+        (torch.randn(2, 3, 1, 4), RuntimeError, re.escape(  # eager's words
+            "Calculated padded input size per channel: (1 x 4). Kernel size: (3 x 1). Kernel size can't be greater "
+            "than actual input size")),
     ],
     ids=["rank", "channels", "one-value", "int", "bool", "dtype-mismatch", "too-small"],
 )

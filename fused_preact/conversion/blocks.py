@@ -36,8 +36,9 @@ class ConvertedPreActBlock(FusedModuleBase):
     """A pre-activation residual block rebuilt on the fused op, holding the original block's children.
 
     Built by :func:`convert` from a timm-style (``norm1, conv1, …, downsample, drop_path``) or
-    CIFAR-style (``bn1, conv1, …, shortcut``) block; every child of the original is registered
-    under the same name in the same order, so parameters, buffers and state_dict keys are unchanged.
+    CIFAR-style (``bn1, conv1, …, shortcut``) block; every child of the original, and every parameter
+    and buffer it holds itself, is registered under the same name in the same order, so parameters,
+    buffers and state_dict keys are unchanged.
 
     Forward: ``drop_path(conv_k(relu(bn_k(… conv_1(relu(bn_1(x))) …)))) + shortcut``, each
     BN → ReLU → Conv step fused, the steps run as one chain (:func:`fused_preact.modules.run_units`)
@@ -80,6 +81,12 @@ class ConvertedPreActBlock(FusedModuleBase):
                  shortcut_mode: str, proj_path: tuple[str, ...], drop_path_name: Optional[str],
                  backend: str = "auto"):
         super().__init__(backend)
+        # the block's own parameters and buffers too (a learnable scale, a step counter): state_dict
+        # keeps their keys, values and order (own ones before the children's)
+        for name, param in block._parameters.items():
+            self.register_parameter(name, param)
+        for name, buf in block._buffers.items():
+            self.register_buffer(name, buf, persistent=name not in block._non_persistent_buffers_set)
         for name, child in block._modules.items():
             self.register_module(name, child)
         self.training = block.training
@@ -167,6 +174,8 @@ class ConvertedPreActBlock(FusedModuleBase):
         block = self._source_cls.__new__(self._source_cls)
         block.__dict__.update(state)
         block.__dict__["_modules"] = self._modules
+        block.__dict__["_parameters"] = self._parameters
+        block.__dict__["_buffers"] = self._buffers
         block.__dict__["training"] = self.training
         return block.forward(x)
 
@@ -177,6 +186,18 @@ class ConvertedPreActBlock(FusedModuleBase):
             mods.append(m)
             m = m._modules[part]
         return mods
+
+
+#: instance attributes ConvertedPreActBlock sets beside FusedModuleBase's (see :func:`state_name_clashes`)
+_BLOCK_ATTRS = ("steps", "shortcut_name", "shortcut_mode", "proj_path", "drop_path_name", "source_type", "expansion",
+                "_source_cls", "_source_state", "_convert_layout", "_source_attrs", "_source_snaps")
+
+
+def state_name_clashes(block: nn.Module) -> list[str]:
+    """Names of ``block``'s own parameters and buffers (not its children's) that a
+    :class:`ConvertedPreActBlock` cannot adopt: it uses them itself (an attribute, a method)."""
+    reserved = set(vars(FusedModuleBase("reference"))) | set(_BLOCK_ATTRS)
+    return [n for n in (*block._parameters, *block._buffers) if n in reserved or hasattr(ConvertedPreActBlock, n)]
 
 
 _MISSING = object()

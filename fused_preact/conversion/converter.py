@@ -14,6 +14,7 @@ from fused_preact.conversion.blocks import (
     ConvertedPreActBlock,
     FusedSequential,
     _init_fused_sequential,
+    state_name_clashes,
 )
 from fused_preact.conversion.matching import (
     _MODES,
@@ -86,6 +87,12 @@ class _Converter:
                                                   spec.drop_path_name, backend)
 
         mode = spec.modes[0]
+        if clashes := state_name_clashes(block):
+            reason = (f"its own parameters or buffers {clashes} have names ConvertedPreActBlock uses itself "
+                      "(state_dict keys would change)")
+            self.report.skipped.append(Skipped(name, type(block).__name__, reason))
+            self._explain(block)
+            return None
         if self.verify:
             first_norm = block._modules[spec.steps[0][0]]
             size = _probe_size([block._modules[c] for _, c in spec.steps])

@@ -30,12 +30,16 @@ _MODES = {
 
 
 def _hook_problem(name: str, module: Optional[nn.Module]) -> Optional[str]:
+    """Why the fused reading may not skip calling ``module`` (hooks of its own, or a ``forward`` set on
+    the instance — a monkeypatch, an offloading wrapper's), or None."""
     if module is None:
         return None
     for attr in _HOOK_DICTS:
         if getattr(module, attr, None):
             kind = attr.strip("_").replace("_", " ")
             return f"{name or 'the module'} has {kind} that the fused forward would bypass"
+    if "forward" in vars(module):
+        return f"{name or 'the module'} has a forward set on the instance that the fused forward would bypass"
     return None
 
 

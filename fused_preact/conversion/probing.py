@@ -12,10 +12,13 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 
+from fused_preact.ops.spec import ConvGeom
+
 _PROBE_TOL = 1e-6
 
 def _randomize_(module: nn.Module) -> None:
-    """Re-draw every floating parameter and buffer of ``module`` (a probe copy) from the global RNG."""
+    """Re-draw every floating parameter and buffer of ``module`` (a probe copy) from the global RNG:
+    a forward that reads one (a residual scale held as a buffer on the block) shows it in the probe."""
     with torch.no_grad():
         for m in module.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
@@ -31,6 +34,9 @@ def _randomize_(module: nn.Module) -> None:
                 if p.is_floating_point():
                     fan_in = p[0].numel() if p.dim() > 1 else 1
                     p.normal_(0.0, 1.0 / math.sqrt(fan_in))
+            for b in m.buffers(recurse=False):
+                if b.is_floating_point():
+                    b.uniform_(0.5, 1.5)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -47,8 +53,7 @@ def _probe_size(convs: list[nn.Conv2d]) -> int:
     while size < 4096:
         s = size
         for c in convs:
-            s = min((s + 2 * c.padding[d] - c.dilation[d] * (c.kernel_size[d] - 1) - 1) // c.stride[d] + 1
-                    for d in (0, 1))
+            s = min(ConvGeom.of(c).out_hw(s, s))
         if s >= 1:
             return size
         size *= 2
@@ -146,11 +151,15 @@ def _probe(original: nn.Module, build: Callable[[nn.Module], nn.Module], channel
                     return f"{mode}-mode output differs (rel. error {_rel(outs[1], outs[0]):.1e})"
                 if _rel(grads[1], grads[0]) > _PROBE_TOL:
                     return f"{mode}-mode input gradient differs"
-            for (name, a), (_, b) in zip(cand.named_parameters(), ref.named_parameters()):
+            params, buffers = dict(ref.named_parameters()), dict(ref.named_buffers())
+            if list(dict(cand.named_parameters())) != list(params) or list(dict(cand.named_buffers())) != list(buffers):
+                return "the converted block's parameters or buffers are not the original's"
+            for name, a in cand.named_parameters():
+                b = params[name]
                 if (a.grad is None) != (b.grad is None) or (a.grad is not None and _rel(a.grad, b.grad) > _PROBE_TOL):
                     return f"gradient of {name} differs"
-            for (name, a), (_, b) in zip(cand.named_buffers(), ref.named_buffers()):
-                if _rel(a.double(), b.double()) > _PROBE_TOL:
+            for name, a in cand.named_buffers():
+                if _rel(a.double(), buffers[name].double()) > _PROBE_TOL:
                     return f"buffer {name} differs after a training step"
     except Exception as e:  # any failure of the probe means: do not convert
         return f"probe raised {type(e).__name__}: {e}"

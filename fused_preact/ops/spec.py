@@ -51,11 +51,14 @@ class ConvGeom:
         or pruned weight defines the conv, as ``F.conv2d`` reads it), stride, padding, dilation and groups
         from the module (string padding is not accepted: callers check first)."""
         w = conv.weight
+        # an int or a 1-tuple set on the module after construction: F.conv2d expands it
+        stride, padding, dilation = (pair(conv.stride, "stride"), pair(conv.padding, "padding"),
+                                     pair(conv.dilation, "dilation"))
         if w.dim() != 4:  # refused with a clear error by the input checks
-            return cls(conv.in_channels, conv.out_channels, tuple(conv.kernel_size), tuple(conv.stride),
-                       tuple(conv.padding), tuple(conv.dilation), conv.groups, conv.bias is not None)
-        return cls(w.shape[1] * conv.groups, w.shape[0], (w.shape[2], w.shape[3]), tuple(conv.stride),
-                   tuple(conv.padding), tuple(conv.dilation), conv.groups, conv.bias is not None)
+            return cls(conv.in_channels, conv.out_channels, tuple(conv.kernel_size), stride, padding, dilation,
+                       conv.groups, conv.bias is not None)
+        return cls(w.shape[1] * conv.groups, w.shape[0], (w.shape[2], w.shape[3]), stride, padding, dilation,
+                   conv.groups, conv.bias is not None)
 
     @classmethod
     def from_args(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], stride, padding, dilation,
@@ -301,12 +304,13 @@ def projection_problem(conv: nn.Conv2d) -> Optional[str]:
     """Why ``conv`` cannot be a chain's projection shortcut (:attr:`ChainSpec.proj`: the kernels read tap
     (0, 0) of a bias-free, unpadded, groups=1 conv with one stride for both axes), or None."""
     kernel = tuple(conv.weight.shape[2:]) if conv.weight.dim() == 4 else tuple(conv.kernel_size)
+    stride = pair(conv.stride, "stride")
     problems = [what for what, bad in (
         (f"kernel {list(kernel)}", kernel != (1, 1)),
-        (f"padding {conv.padding!r}", isinstance(conv.padding, str) or tuple(conv.padding) != (0, 0)),
+        (f"padding {conv.padding!r}", isinstance(conv.padding, str) or pair(conv.padding, "padding") != (0, 0)),
         (f"groups={conv.groups}", conv.groups != 1),
         ("a bias", conv.bias is not None),
-        (f"stride {list(conv.stride)}", conv.stride[0] != conv.stride[1]),
+        (f"stride {list(stride)}", stride[0] != stride[1]),
         (f"padding_mode={conv.padding_mode!r}", conv.padding_mode != "zeros")) if bad]
     if not problems:
         return None
@@ -387,11 +391,11 @@ def _check_conv(x, g: ConvGeom, weight, bias, C, H, W, in_shape, autocast: Optio
         raise RuntimeError(
             f"Given groups={groups}, weight of size {list(weight.shape)}, expected input{list(in_shape)} to have "
             f"{weight.shape[1] * groups} channels, but got {C} channels instead")
-    P, Q = g.out_hw(H, W)
-    if P <= 0 or Q <= 0:
-        raise RuntimeError(f"Calculated output size: ({P}x{Q}). Output size is too small (input {[H, W]}, "
-                           f"kernel {list(g.kernel)}, stride {list(g.stride)}, padding {list(g.padding)}, "
-                           f"dilation {list(g.dilation)})")
+    padded = (H + 2 * g.padding[0], W + 2 * g.padding[1])
+    span = tuple(d * (k - 1) + 1 for d, k in zip(g.dilation, g.kernel))
+    if padded[0] < span[0] or padded[1] < span[1]:
+        raise RuntimeError(f"Calculated padded input size per channel: ({padded[0]} x {padded[1]}). Kernel size: "
+                           f"({span[0]} x {span[1]}). Kernel size can't be greater than actual input size")
 
 
 def add_shortcut(spec: ChainSpec, h: torch.Tensor, p: Optional[torch.Tensor], x: torch.Tensor,
