@@ -39,7 +39,7 @@ from fused_preact.ops import (
 from fused_preact.ops.auto import check_memory
 from fused_preact.ops.backends import LastCall, check_backend_name
 from fused_preact.ops.chain import ChainResult
-from fused_preact.ops.spec import check_running_buffers, functorch_reasons, projection_problem
+from fused_preact.ops.spec import check_running_buffers, functorch_reasons, projection_problem, trace_reasons
 from fused_preact.ops.sync_stats import sync_bn_statistics, sync_enabled
 
 __all__ = ["FusedBNReLUConv2d", "FusedPreActBlock", "FusedPreActBottleneck", "FusedModuleBase", "bottleneck_width",
@@ -211,7 +211,7 @@ def run_units(owner: nn.Module, x: torch.Tensor, units: list, proj: Optional[nn.
             proj_problem = projection_problem(proj) if proj is not None else None
             if proj_problem is not None:
                 eager_reasons.append(proj_problem)
-        eager_reasons += _hook_reasons(units, proj) + functorch_reasons()
+        eager_reasons += _hook_reasons(units, proj) + functorch_reasons() + trace_reasons(x)
         if eager_reasons:
             record_eager(owner, "; ".join(eager_reasons), x)
             return _eager_units(x, units, proj, proj_out, residual)

@@ -1,6 +1,9 @@
-"""torch.compile over the fused modules: no graph breaks (fullgraph=True) and eager's results."""
+"""torch.compile over the fused modules: no graph breaks (fullgraph=True) and eager's results; the
+tracers the fused path cannot serve (torch.jit.trace, export with a dynamic dimension)."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -130,3 +133,26 @@ def test_converted_block_with_attributes_of_every_kind_compiles_fullgraph():
     loaded = torch.load(buf, weights_only=False)
     loaded(x)
     assert loaded[0].last_backend != "reference", loaded[0].fallback_reason
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_tracers_the_fused_path_cannot_serve_record_the_plain_ops(train):
+    """``torch.jit.trace`` and ``torch.export`` with a dynamic batch dimension (non-strict) record the
+    plain PyTorch ops (``spec.trace_reasons``): the traced module computes eager's result at another
+    batch size; a forced fused backend raises there, naming the tracer."""
+    torch.manual_seed(0)
+    block = FusedPreActBlock(4, 8, 2).to(DEVICE).train(train)
+    x, x5 = torch.randn(2, 4, 6, 6, device=DEVICE), torch.randn(5, 4, 6, 6, device=DEVICE)
+    twin = copy.deepcopy(block)
+    traced = torch.jit.trace(copy.deepcopy(block), (x,), check_trace=False)
+    assert_close(traced(x5), copy.deepcopy(block)(x5), torch.float32, "jit.trace")
+    batch = torch.export.Dim("batch", min=2, max=16)
+    exported = torch.export.export(twin, (x,), dynamic_shapes=({0: batch},), strict=False)
+    targets = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
+    assert "aten.conv2d.default" in targets and not any("fused_preact" in t for t in targets)
+    assert_close(exported.module()(x5), copy.deepcopy(block)(x5), torch.float32, "export")
+    forced = FusedPreActBlock(4, 8, 2, backend="triton").to(DEVICE).train(train)
+    with pytest.raises(RuntimeError, match="torch.jit.trace"):
+        torch.jit.trace(forced, (x,), check_trace=False)
+    with pytest.raises(RuntimeError, match="symbolic sizes"):
+        torch.export.export(forced, (x,), dynamic_shapes=({0: batch},), strict=False)

@@ -253,6 +253,26 @@ def test_backends_report():
     assert expected in report["triton"]["cpu/float32"]
 
 
+@pytest.mark.parametrize("kind", ["numpy-int", "0-d-tensor", "pair-of-them"])
+def test_functional_takes_int_like_conv_arguments(kind):
+    """``bn_relu_conv2d`` takes what ``F.conv2d`` takes for stride/padding/dilation: int-like scalars
+    (numpy integers, 0-d integer tensors), alone or in a pair."""
+    import torch.nn.functional as F
+
+    from fused_preact.ops import bn_relu_conv2d
+
+    if kind == "numpy-int":
+        stride = pytest.importorskip("numpy").int64(2)
+    else:
+        stride = torch.tensor(2) if kind == "0-d-tensor" else (torch.tensor(2), 1)
+
+    torch.manual_seed(0)
+    x, w = torch.randn(2, 3, 7, 7, device=DEVICE), torch.randn(4, 3, 3, 3, device=DEVICE)
+    ref = F.conv2d(F.relu(F.batch_norm(x, None, None, training=True)), w, None, stride)
+    got = bn_relu_conv2d(x, w, None, None, None, None, None, True, 0.1, 1e-5, stride, backend="triton")
+    assert_close(got, ref, torch.float32, "stride")
+
+
 @pytest.mark.parametrize(
     "kw,match",
     [

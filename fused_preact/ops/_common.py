@@ -3,6 +3,7 @@ memory-format rules and dtype mappings. Imports nothing else of the package."""
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence, Union
 
 import torch
@@ -62,11 +63,16 @@ def pair(v: IntOr2, name: str) -> tuple[int, int]:
         ValueError: ``v`` is a string.
         RuntimeError: a sequence whose length is not 1 or 2 (``F.conv2d``'s error and message).
     """
-    if isinstance(v, int):
-        return (v, v)
     if isinstance(v, str):
         raise ValueError(f"fused_preact: expected {name} to be an int or a pair of ints, got {v!r}")
-    v = tuple(int(i) for i in v)
+    if not isinstance(v, (tuple, list)):
+        try:  # an int-like scalar (numpy integer, 0-d integer tensor), as F.conv2d takes it
+            i = operator.index(v)
+        except TypeError:
+            pass
+        else:
+            return (i, i)
+    v = tuple(operator.index(i) for i in v)
     if len(v) == 1:  # F.conv2d expands a one-element list
         return (v[0], v[0])
     if len(v) != 2:

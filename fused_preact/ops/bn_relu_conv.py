@@ -29,6 +29,7 @@ from fused_preact.ops.spec import (
     ConvGeom,
     check_running_buffers,
     functorch_reasons,
+    trace_reasons,
 )
 
 __all__ = ["bn_relu_conv2d", "bn_relu_conv2d_reference"]
@@ -72,8 +73,10 @@ def bn_relu_conv2d(
         backend: ``"auto"`` (measured and validated per signature on CUDA, :mod:`fused_preact.ops.auto`;
             elsewhere the first of ``fused_preact.ops.backends.PRIORITY`` that can serve x), ``"triton"``,
             ``"cuda"`` (CUDA extension, opt-in), ``"recompute"`` (cuDNN convolutions, BN+ReLU recomputed)
-            or ``"reference"`` (plain PyTorch). Under a ``torch.func`` transform (vmap, grad, …) the plain
-            PyTorch ops run (:func:`~fused_preact.ops.spec.functorch_reasons`).
+            or ``"reference"`` (plain PyTorch). Under a ``torch.func`` transform (vmap, grad, …),
+            ``torch.jit.trace`` or symbolic sizes outside ``torch.compile`` (``torch.export`` with a
+            dynamic dimension) the plain PyTorch ops run (:func:`~fused_preact.ops.spec.functorch_reasons`,
+            :func:`~fused_preact.ops.spec.trace_reasons`); a forced fused backend raises there.
 
     Returns:
         (N, K, P, Q) tensor of the compute dtype (x's, or the autocast dtype under autocast).
@@ -97,7 +100,7 @@ def bn_relu_conv2d(
     if not isinstance(momentum, (int, float)):
         raise TypeError(f"batch_norm(): argument 'momentum' (position 7) must be float, not {type(momentum).__name__}")
     check_running_buffers(training, running_mean, running_var)
-    transform = functorch_reasons()
+    transform = functorch_reasons() + trace_reasons(x)
     if transform:
         if check_backend_name(backend) not in ("auto", "reference"):
             raise RuntimeError(f"fused_preact: backend={backend!r} cannot serve this call: {transform[0]}")

@@ -330,6 +330,23 @@ def functorch_reasons() -> list[str]:
     return ["a torch.func transform is active (the fused autograd Functions have no functorch rules)"]
 
 
+def trace_reasons(x: torch.Tensor) -> list[str]:
+    """``[why]`` while a tracer the fused path cannot serve records the call, else ``[]``; the plain
+    PyTorch ops then run, which every tracer records (with their checks and messages):
+
+    - ``torch.jit.trace``: it records the ATen ops a call runs; the fused kernels' launches would
+      receive its traced sizes (0-d tensors) as arguments;
+    - x's sizes symbolic outside Dynamo (``torch.export`` with a dynamic dimension, ``make_fx``): the
+      fused plans are built for concrete sizes. Under ``torch.compile`` (Dynamo) the fused custom ops
+      take the sizes Dynamo specializes, as before."""
+    if torch.jit.is_tracing():
+        return ["torch.jit.trace records the call (the fused launches cannot be traced)"]
+    if not torch.compiler.is_dynamo_compiling() and any(isinstance(d, torch.SymInt) for d in x.shape):
+        return [f"symbolic sizes {list(x.shape)} (e.g. torch.export with a dynamic dimension): the fused plans "
+                "take concrete sizes"]
+    return []
+
+
 def check_running_buffers(training: bool, running_mean: Optional[torch.Tensor],
                           running_var: Optional[torch.Tensor]) -> None:
     """``F.batch_norm``'s checks of its running buffers, in its order and with its messages.
