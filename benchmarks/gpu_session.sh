@@ -2,6 +2,13 @@
 # What a session lent a GPU runs, one stage per device-tool call (each fits the 10-minute limit;
 # every step has its own timeout, and the logs and results land under $OUT, at most 8 files):
 #
+#   bash benchmarks/gpu_session.sh first   the first stage to run on a new GPU (≤ 8 min; torch 2.11 +
+#                                          Triton 3.6 is enough, no registry needed): environment, every
+#                                          Triton kernel precompiled in parallel, bf16 correctness of every
+#                                          PreActResNet-50 block and four -164 blocks against float64,
+#                                          block fwd+bwd time and memory (eager, triton, recompute, auto,
+#                                          torch.compile), layer1.1's kernels vs cuDNN: first.json and
+#                                          first.md (benchmarks/first_stage.py; --dry-run on a CPU)
 #   bash benchmarks/gpu_session.sh check   environment, test suite on CUDA (no interpreter) without
 #                                          the `slow` tests (-m "not slow", 240 s at most),
 #                                          compute-sanitizer on one small fused unit, the main job, then
@@ -40,7 +47,7 @@
 # writes them there on the device, where they vanish with the machine).
 set -uo pipefail
 STAGE=${1:-check}
-case "$STAGE" in check|bench|quick|pytest|csrc|kernels|enqueue|auto) ;; *) echo "unknown stage '$STAGE' (check, bench, quick, pytest, csrc, kernels, enqueue, auto)"; exit 2 ;; esac
+case "$STAGE" in first|check|bench|quick|pytest|csrc|kernels|enqueue|auto) ;; *) echo "unknown stage '$STAGE' (first, check, bench, quick, pytest, csrc, kernels, enqueue, auto)"; exit 2 ;; esac
 # the device image's interpreter is python3 (a venv's; a bare `python` may be missing there)
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 OUT=${OUT:-gpu-out}
@@ -89,6 +96,10 @@ bench() {  # extra arguments for "$PY" -m fused_preact.bench; results into $OUT,
 }
 
 case "$STAGE" in
+  first)
+    # its steps keep their own limits inside a 440 s budget; this limit only catches a hung driver
+    run first 470 "$PY" benchmarks/first_stage.py --out "$OUT" --budget 440
+    ;;
   check)
     # every kernel path, without the tests marked slow (more shapes and depths of the same paths; see
     # pyproject.toml); Triton's on-disk cache is shared by the 8 workers
@@ -171,7 +182,7 @@ PYEOF
     pytest_bench $((560 - SECONDS))
     ;;
   *)
-    echo "unknown stage '$STAGE' (check, bench, quick, pytest, csrc, kernels, enqueue, auto)"
+    echo "unknown stage '$STAGE' (first, check, bench, quick, pytest, csrc, kernels, enqueue, auto)"
     exit 2
     ;;
 esac

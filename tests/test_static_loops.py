@@ -386,3 +386,21 @@ def test_convs_of_one_block_are_layers_of_their_own():
     a = _e(roles=("candidate",), ratio=0.7, shapes=(f"{block} 1x1/1 16→64 @32x32",))
     b = _e(roles=("candidate",), ratio=1.3, shapes=(f"{block} 1x1/1 16→16 @32x32",))
     assert LL.loop_figures([_e(ratio=0.9), a, b])[0]["triton fprop [3x3s1] bf16 sm_90"]["issue_ratio"]["candidate"] == 1.3
+
+
+def test_summary_reports_each_model_and_release_on_its_own_layers():
+    from tools.static_report.report import summary_table
+
+    def obj(version, ratio_b, stack=0):
+        es = [_e(ratio=0.8, shapes=("a/layer1.0",)), _e(kernel="wgrad", ratio=ratio_b, shapes=("b/layer1.0",)),
+              _e(kernel="dgrad", arch="sm_80", ratio=0.5, shapes=("a/layer2.0", "b/layer2.0"))]
+        es[1]["stack_bytes"] = stack
+        return {"triton": version, "entries": es}
+
+    md = summary_table([obj("3.6.0", 1.5, stack=8), obj("3.9.0", 0.9)], ["a", "b"])
+    rows = [ln for ln in md.splitlines() if ln.startswith("| 3.")]
+    # newest release first; model a sees only its own layers (no wgrad), b its wgrad over the limit under 3.6
+    assert rows[0].startswith("| 3.9.0 | 2 | 0 | 0.80 | – | – | – | 0.50 | – | 0 |")
+    assert rows[1].startswith("| 3.6.0 | 2 | 0 | 0.80 |")
+    assert rows[2] == "| 3.9.0 | 2 | 0 | – | – | 0.90 | – | 0.50 | – | 0 |"
+    assert rows[3] == "| 3.6.0 | 2 | 1 | – | – | 1.50 | – | 0.50 | – | 1 |"

@@ -174,8 +174,10 @@ class _Task:
 
 
 def _plan(levels, models, providers, batch, quick, dtypes: Sequence[str] = ("bf16",),
-          modes: Sequence[str] = MODES) -> list[_Task]:
+          modes: Sequence[str] = MODES, layers: Sequence[str] = ()) -> list[_Task]:
     """The tasks of a run, in running order. Per dtype (outermost), model, level, item and provider;
+    with ``layers``, only units, blocks and kernels one of whose names (``preact_resnet50/layer1.1``)
+    contains one of those strings;
     unit and block levels take the providers of ``timing.LAYER_PROVIDERS``, the model level those of
     ``timing.MODEL_PROVIDERS`` (``*-cudagraph`` for the CIFAR nets only), the kernel level ``cudnn``
     (always: the reference) and the fused kernel providers chosen (``cudnn-fused`` in fp16 only).
@@ -200,6 +202,9 @@ def _plan(levels, models, providers, batch, quick, dtypes: Sequence[str] = ("bf1
                      "block": blocks(m, batch) if "block" in levels else [],
                      "model": [spec] if "model" in levels else [],
                      "kernel": kernel_units(m, batch) if "kernel" in levels else []}
+            if layers:
+                for level in ("unit", "block", "kernel"):
+                    items[level] = [it for it in items[level] if any(s in n for n in it.names for s in layers)]
             for level in LEVELS:
                 for item in items[level]:
                     for p in allowed[level]:
@@ -420,6 +425,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="kernel-level modes (default: all)")
     p.add_argument("--enqueue-steps", type=int_at_least(1), default=20,
                    help="calls back to back per enqueue measurement (default 20)")
+    p.add_argument("--layers", nargs="+", default=[],
+                   help="only units, blocks and kernels one of whose names (e.g. preact_resnet50/layer1.1) contains "
+                        "one of these strings (the model level is unaffected)")
     p.add_argument("--batch", type=int_at_least(1), default=128)
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=["bf16", "fp16", "fp32"],
                    help="one or more dtypes; every task runs in each (default: bf16)")
@@ -506,7 +514,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if getattr(a, k) is None:
             setattr(a, k, quick if a.quick else full)
     a.dtype = list(dict.fromkeys(a.dtype))
-    tasks = _plan(a.level, a.models, a.providers, a.batch, a.quick, a.dtype, a.modes)
+    tasks = _plan(a.level, a.models, a.providers, a.batch, a.quick, a.dtype, a.modes, a.layers)
     if not tasks:
         parser.error(_no_tasks(a))
     refusal = cuda_refusal()

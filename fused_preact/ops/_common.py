@@ -1,22 +1,21 @@
 """Helpers shared by the op files: the Triton import and mode, argument normalization, output sizes,
-memory-format rules and dtype mappings. Imports nothing else of the package."""
+memory-format rules and dtype mappings. Imports nothing else of the package but
+:mod:`~fused_preact.ops.triton_compat` (the Triton import and what differs between its releases)."""
 
 from __future__ import annotations
 
 import operator
+import threading
+from collections import OrderedDict
 from typing import Sequence, Union
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - the package requires triton; kept so the report can say why
-    triton = tl = None
+from fused_preact.ops.triton_compat import tl, triton
 
 __all__ = [
     "triton", "tl", "triton_mode", "interpreting", "pair", "conv_out_size", "wants_channels_last",
-    "nhwc_strides", "dot_dtype", "input_precision", "compute_dtype", "autocast_enabled", "IntOr2",
+    "nhwc_strides", "dot_dtype", "input_precision", "compute_dtype", "autocast_enabled", "IntOr2", "LRUDict",
 ]
 
 IntOr2 = Union[int, Sequence[int]]
@@ -138,3 +137,35 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     if x.dtype in _AUTOCASTABLE and autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return x.dtype
+
+
+class LRUDict(OrderedDict):
+    """A dict of at most ``maxsize`` entries that drops the least recently used (set or got) first: the
+    per-signature caches (plans, ``auto``'s decisions), which otherwise grow by one entry per input shape
+    for the life of the process (multi-scale training). ``get`` and setting take a lock (threads share
+    these caches: ``nn.DataParallel`` replicas, serving workers); under ``torch.compile`` tracing ``get``
+    only reads, without the lock (Dynamo traces it; the order is left as it is)."""
+
+    def __init__(self, maxsize: int = 1024):
+        super().__init__()
+        self.maxsize = maxsize
+        self._lock = threading.Lock()
+
+    def get(self, key, default=None):
+        if torch.compiler.is_compiling():
+            return super().get(key, default)
+        with self._lock:
+            if key not in self:
+                return default
+            self.move_to_end(key)
+            return self[key]
+
+    def __setitem__(self, key, value) -> None:
+        with self._lock:
+            super().__setitem__(key, value)
+            self.move_to_end(key)
+            while len(self) > self.maxsize:
+                self.popitem(last=False)
+
+    def __reduce__(self):  # pickles and copies as an empty cache of the same size (entries are rebuilt)
+        return (type(self), (self.maxsize,))

@@ -35,8 +35,9 @@ switch it on for the CPU with :func:`measuring` (and inject a timer).
 Environment:
     ``FUSED_PREACT_DISPATCH``             ``measure`` (default) or ``priority`` (the static order of
                                           :data:`~fused_preact.ops.backends.PRIORITY`, nothing measured)
-    ``FUSED_PREACT_DISPATCH_CACHE``       path of the decisions' JSON file, or ``none`` (memory only).
-                                          Default ``$XDG_CACHE_HOME/fused_preact/dispatch-<device>-triton<v>.json``
+    ``FUSED_PREACT_DISPATCH_CACHE``       the decisions' folder (one JSON file per decision,
+                                          :class:`~fused_preact.ops.triton.tuning.TuneCache`), or ``none`` (memory
+                                          only). Default ``$XDG_CACHE_HOME/fused_preact/dispatch-<device>-triton<v>``
     ``FUSED_PREACT_DISPATCH_CANDIDATES``  comma-separated backend names allowed (default, or empty: all).
                                           It bounds every path: the candidates measured (one name: that
                                           backend, validated and timed alone), the static order under
@@ -64,6 +65,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from fused_preact.ops._common import LRUDict
 from fused_preact.ops.backends import BACKENDS, PRIORITY, BackendChoice, ReferenceBackend, TritonBackend
 from fused_preact.ops.spec import BATCH, BNMode, ChainSpec, ChainTensors
 from fused_preact.ops.trial import Candidate, Timer, cuda_timer, host_timer, run_trials
@@ -174,11 +176,14 @@ class MeasureSettings:
 
 #: The process's measurement settings (see :func:`measuring`).
 SETTINGS = MeasureSettings()
+#: Decisions this process holds in memory, per table below (least recently used dropped first; the disk
+#: cache keeps every decision).
+MAX_DECISIONS = 1024
 #: Decisions of this process by (run_chain signature, allowed candidates) (what torch.compile tracing may read).
-_BY_KEY: dict = {}
+_BY_KEY: LRUDict = LRUDict(MAX_DECISIONS)
 #: The same decisions by device fingerprint and signature in words: plan keys finer than it (requires_grad, grad mode
 #: beside the timed mode) share one decision in a process.
-_BY_SIG: dict = {}
+_BY_SIG: LRUDict = LRUDict(MAX_DECISIONS)
 
 
 @contextlib.contextmanager

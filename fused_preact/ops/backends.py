@@ -21,11 +21,14 @@ signature (quack's ``backends/protocol.py`` pattern): everything decided once, t
 
 from __future__ import annotations
 
+import threading
+import warnings
 from typing import ClassVar, NamedTuple, Optional, Protocol
 
 import torch
 
-from fused_preact.ops._common import triton_mode
+from fused_preact.ops import triton_compat
+from fused_preact.ops._common import LRUDict, triton_mode
 from fused_preact.ops.cuda import ext as cuda_ext
 from fused_preact.ops.cuda.plan import CudaPlan
 from fused_preact.ops.recompute.plan import RecomputePlan
@@ -42,7 +45,7 @@ from fused_preact.ops.spec import (
 from fused_preact.ops.triton.plan import TritonPlan
 
 __all__ = ["Plan", "Backend", "TritonBackend", "CudaBackend", "RecomputeBackend", "ReferenceBackend", "BACKENDS",
-           "PRIORITY", "BackendChoice", "select_backend", "check_backend_name", "PlanCache", "LastCall"]
+           "PRIORITY", "BackendChoice", "select_backend", "check_backend_name", "PlanCache", "LastCall", "MAX_PLANS"]
 
 
 class Plan(Protocol):
@@ -140,10 +143,34 @@ class TritonBackend(Backend):
         """:func:`fused_preact.ops._common.triton_mode`: ``"compiled"``, ``"interpreter"`` or ``"missing"``."""
         return triton_mode()
 
+    #: version reasons already warned about (once per process)
+    _warned: ClassVar[set] = set()
+    _warn_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    @classmethod
+    def version_reasons(cls) -> list[str]:
+        """Why the installed Triton cannot build this backend's kernels (the release is older than
+        :data:`~fused_preact.ops.triton_compat.MIN_TRITON`, or a kernel needs a newer one), each reason
+        naming the kernel and both versions; warned once per process per reason (``RuntimeWarning``)."""
+        if triton_mode() == "missing":
+            return []
+        found = [triton_compat.supported_reason()] + [triton_compat.kernel_unsupported_reason(k)
+                                                      for k in sorted(triton_compat.KERNEL_REQUIREMENTS)]
+        reasons = list(dict.fromkeys(f"triton: {r}" for r in found if r))
+        if not reasons or torch.compiler.is_compiling():  # traced: no lock, no warning
+            return reasons
+        with cls._warn_lock:
+            new = [r for r in reasons if r not in cls._warned]
+            cls._warned.update(new)
+        for r in new:
+            warnings.warn(f"fused_preact: {r}; the triton backend is not used", RuntimeWarning, stacklevel=3)
+        return reasons
+
     @classmethod
     def not_supported_reasons(cls, x, spec=None, dtype=None):
         reasons = super().not_supported_reasons(x, spec, dtype)
         mode = triton_mode()
+        reasons.extend(cls.version_reasons())
         if mode == "missing":
             reasons.append("triton: the triton package is not installed")
         elif x.device.type == "cpu" and mode != "interpreter":
@@ -309,21 +336,30 @@ class LastCall(NamedTuple):
     reason: Optional[str]
 
 
-class PlanCache(dict):
-    """Plans of one owner (a module, or the functional API), keyed by input signature. Copies and
-    pickles of the owner start with an empty cache (plans are cheap to rebuild, and bound to devices).
+#: Input signatures whose plans one owner keeps (least recently used dropped first): a module called
+#: with many shapes (multi-scale training) holds this many plans and rebuilds the others when they return.
+MAX_PLANS = 64
+
+
+class PlanCache(LRUDict):
+    """Plans of one owner (a module, or the functional API), keyed by input signature, at most
+    :data:`MAX_PLANS` (:class:`~fused_preact.ops._common.LRUDict`). Copies and pickles of the owner
+    start with an empty cache (plans are cheap to rebuild, and bound to devices).
 
     ``last``: the owner's latest call outside ``torch.compile`` since the cache was last cleared
     (:class:`LastCall`), or None."""
 
     last: Optional[LastCall] = None
 
+    def __init__(self, maxsize: Optional[int] = None):
+        super().__init__(MAX_PLANS if maxsize is None else maxsize)
+
     def clear(self) -> None:
         super().clear()
         self.last = None
 
     def __deepcopy__(self, memo):
-        return PlanCache()
+        return PlanCache(self.maxsize)
 
     def __reduce__(self):
-        return (PlanCache, ())
+        return (PlanCache, (self.maxsize,))

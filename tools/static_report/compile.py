@@ -9,7 +9,7 @@ two processes; their metrics are cached under ``cache_dir`` by that key (and :da
 so a second run compiles nothing.
 
 
-Argument specialization (Triton 3.9, read from ``triton/runtime/jit.py``:
+Argument specialization (Triton 3.6 to 3.9, which agree on it; read from ``triton/runtime/jit.py``:
 ``create_function_from_signature`` → ``native_specialize_impl`` (C++), ``JITFunction._pack_args`` →
 ``BaseBackend.parse_attr``); :func:`specialize` calls these same functions, so a job compiles to what
 ``fn[grid](*args, **kwargs)`` compiles on a GPU of that arch:
@@ -44,11 +44,13 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from fused_preact.ops.triton_compat import launch_knob_kwargs
 from tools.static_report.jobs import StaticJob
 from tools.static_report.sass import cubin_metrics, demangle, short_name
 from tools.static_report.utilization import dot_replication, memory_ratio, mma_utilization
 
-__all__ = ["specialize", "triton_entries", "csrc_entries", "import_attr", "PARSER_VERSION"]
+__all__ = ["specialize", "triton_entries", "csrc_entries", "import_attr", "PARSER_VERSION", "distinct_specs",
+           "precompile"]
 
 #: Bumped when the metrics read from a cubin change (invalidates the metrics cache).
 PARSER_VERSION = 5
@@ -80,7 +82,7 @@ def _backend(arch: int):
 
 def specialize(job: StaticJob, arch: int) -> _Spec:
     """Signature, constexprs, attributes and options of ``job`` as a launch on an sm_``arch`` GPU
-    computes them (``JITFunction.run`` in ``triton/runtime/jit.py``, Triton 3.9), and the launch's
+    computes them (``JITFunction.run`` in ``triton/runtime/jit.py``, Triton 3.6-3.9), and the launch's
     Triton cache key (``triton.runtime.cache.get_cache_key``, sha256): identical keys compile to
     identical binaries.
 
@@ -104,8 +106,7 @@ def specialize(job: StaticJob, arch: int) -> _Spec:
         binder = _BINDERS[(id(fn), arch)] = create_function_from_signature(fn.signature, fn.params, backend)
     kwargs = dict(job.kwargs)
     kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
-    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    kwargs.update(launch_knob_kwargs())  # the knobs this Triton release passes (triton_compat)
     bound, specialization, options = binder(*job.args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
     src = ASTSource(fn, signature, constexprs, attrs)
@@ -220,6 +221,62 @@ def _run_tasks(tasks: list[dict], processes: int, log: Callable[[str], None]) ->
             if n % step == 0:
                 log(f"  compiled {n}/{len(tasks)} ({time.perf_counter() - t0:.0f} s)")
     return results  # type: ignore[return-value]
+
+
+def distinct_specs(jobs: Sequence[StaticJob], arch: int) -> dict[str, tuple[StaticJob, _Spec]]:
+    """Triton cache key → (first job, specialization) of every distinct compilation ``jobs`` make on an
+    sm_``arch`` GPU (jobs limited to other archs are left out)."""
+    out: dict[str, tuple[StaticJob, _Spec]] = {}
+    for job in jobs:
+        if job.archs is not None and arch not in job.archs:
+            continue
+        spec = specialize(job, arch)
+        out.setdefault(spec.key, (job, spec))
+    return out
+
+
+def _warm_task(task: dict) -> Optional[str]:
+    """Compile one specialization into Triton's on-disk cache (a worker process); None or the error."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    try:
+        fn = _resolve(task["module"], task["qualname"], task["fn_key"])
+        src = ASTSource(fn, task["signature"], task["constexprs"], task["attrs"])
+        triton.compile(src, target=GPUTarget("cuda", task["arch"], 32), options=task["options"])
+    except Exception as e:  # reported by the caller
+        return f"{task['qualname']}: {type(e).__name__}: {str(e)[:300]}"
+    return None
+
+
+def precompile(jobs: Sequence[StaticJob], arch: int, processes: int,
+               log: Callable[[str], None] = print) -> dict:
+    """Compile every distinct specialization of ``jobs`` for sm_``arch`` into Triton's on-disk cache
+    (``TRITON_CACHE_DIR``, default ``~/.triton/cache``) in ``processes`` spawned processes, so that the
+    launches ``fn[grid](*args, **kwargs)`` that ``jobs`` record find their binaries there: the cache key
+    is the one ``JITFunction.run`` computes (:func:`specialize`). Needs no GPU.
+
+    Returns:
+        ``{"compilations": n, "processes": p, "seconds": s, "errors": [...]}``.
+    """
+    import multiprocessing as mp
+
+    t0 = time.perf_counter()
+    specs = distinct_specs(jobs, arch)
+    tasks = [{"module": job.fn.module, "qualname": job.fn.fn.__qualname__, "fn_key": job.fn.cache_key,
+              "signature": spec.signature, "constexprs": spec.constexprs, "attrs": spec.attrs,
+              "options": spec.options, "arch": arch} for job, spec in specs.values()]
+    log(f"precompile: {len(jobs)} launches → {len(tasks)} distinct compilations for sm_{arch}, "
+        f"{processes} process(es)")
+    errors: list[str] = []
+    if processes <= 1 or len(tasks) < _POOL_MIN:
+        errors = [e for e in map(_warm_task, tasks) if e]
+    else:
+        with ProcessPoolExecutor(max_workers=processes, mp_context=mp.get_context("spawn")) as pool:
+            errors = [e for e in pool.map(_warm_task, tasks, chunksize=1) if e]
+    return {"compilations": len(tasks), "processes": processes, "seconds": round(time.perf_counter() - t0, 1),
+            "errors": errors}
 
 
 def _cache_path(cache_dir: Optional[Path], key: str) -> Optional[Path]:

@@ -45,12 +45,29 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 __all__ = ["LoopLimit", "limits_for", "variant_key", "one_step", "loop_figures", "check_loops", "update_baseline",
-           "load_baseline", "write_baseline", "TOLERANCE", "DEFAULT_BASELINE"]
+           "load_baseline", "write_baseline", "TOLERANCE", "DEFAULT_BASELINE", "NEWEST_TRITON", "default_baseline"]
 
 #: Relative growth of a baselined figure that ``--check`` tolerates (code motion between compilers).
 TOLERANCE = 0.02
-#: The committed baseline of today's offenders.
+#: The committed baseline of today's offenders under the newest Triton (:data:`NEWEST_TRITON`).
 DEFAULT_BASELINE = Path(__file__).resolve().parent / "loop_baseline.json"
+#: The Triton release whose loops the limits hold under :data:`DEFAULT_BASELINE`; older releases compile
+#: the same kernels to other loops and have baselines of their own (:func:`default_baseline`).
+NEWEST_TRITON = (3, 9)
+
+
+def default_baseline(version: Optional[tuple] = None) -> Path:
+    """The loop baseline of Triton ``version`` ((major, minor); default: the running one):
+    :data:`DEFAULT_BASELINE` from :data:`NEWEST_TRITON` on, ``loop_baseline.triton<major>.<minor>.json``
+    beside it for older releases (missing: an empty baseline, so every offender fails ``--check``)."""
+    if version is None:
+        from fused_preact.ops.triton_compat import TRITON_VERSION
+
+        version = TRITON_VERSION
+    major, minor = version[:2]
+    if (major, minor) >= NEWEST_TRITON:
+        return DEFAULT_BASELINE
+    return DEFAULT_BASELINE.with_name(f"loop_baseline.triton{major}.{minor}.json")
 _FAMILIES = ("fprop", "dgrad", "wgrad")
 
 

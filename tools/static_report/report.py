@@ -66,8 +66,8 @@ from tools.static_report.compile import csrc_entries, import_attr, triton_entrie
 from tools.static_report.jobs import chain_jobs
 from tools.static_report.limits import check_entries
 from tools.static_report.loop_limits import (
-    DEFAULT_BASELINE,
     check_loops,
+    default_baseline,
     load_baseline,
     loop_figures,
     one_step,
@@ -167,6 +167,44 @@ def format_table(entries: Sequence[dict], full: bool = False) -> str:
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in lines])
 
 
+# -------------------------------------------------------------------------------------- summary
+def _worst(figures: dict, model_variants: set, kernel: str, arch: str) -> str:
+    vals = [f["issue_ratio"]["default"] for k, f in figures.items()
+            if k in model_variants and k.split()[1] == kernel and k.endswith(arch)
+            and f.get("issue_ratio", {}).get("default") is not None and k.split()[-2] in ("bf16", "fp16")]
+    return f"{max(vals):.2f}" if vals else "–"
+
+
+def summary_rows(obj: dict, model: str) -> list[str]:
+    """One markdown table row of a report ``obj`` for ``model`` (its entries: those one of whose
+    ``shapes`` names it): Triton version, compilations, spilling or failing ones, the worst default
+    issue ratio of the 16-bit fprop/dgrad/wgrad loops on sm_90 and sm_80, and the loop limits broken
+    (variant × limit, default or candidate)."""
+    es = [dict(e, shapes=[sh for sh in e["shapes"] if sh.startswith(model + "/")]) for e in obj["entries"]
+          if e.get("kind") == "triton" and any(sh.startswith(model + "/") for sh in e["shapes"])]
+    bad = sum(1 for e in es if "error" in e or e.get("stack_bytes", 0) > 0 or e.get("shared_bytes", 0) > 166912)
+    figs, _ = loop_figures(es)  # this model's layers only
+    variants = set(figs)
+    over = sum(1 for k, f in figs.items() if k in variants for lim in f.values()
+               for side in ("default", "candidate") if lim.get(side) is not None and lim[side] > lim["limit"])
+    cells = [obj["triton"], str(len(es)), str(bad)] + [_worst(figs, variants, k, a) for a in ("sm_90", "sm_80")
+                                                        for k in ("fprop", "dgrad", "wgrad")] + [str(over)]
+    return ["| " + " | ".join(cells) + " |"]
+
+
+def summary_table(objs: Sequence[dict], models: Sequence[str]) -> str:
+    """Markdown: per model, one row per report (:func:`summary_rows`)."""
+    head = ("| Triton | compilations | spilling or failed | fprop sm_90 | dgrad sm_90 | wgrad sm_90 | fprop sm_80 | "
+            "dgrad sm_80 | wgrad sm_80 | loop limits over |")
+    out = []
+    for m in models:
+        out += [f"**{m}**", "", head, "|" + "---|" * 10]
+        for obj in sorted(objs, key=lambda o: [int(x) for x in re.findall(r"\d+", o["triton"])[:3]], reverse=True):
+            out += summary_rows(obj, m)
+        out.append("")
+    return "\n".join(out)
+
+
 # ------------------------------------------------------------------------------------------ CLI
 def _parser() -> argparse.ArgumentParser:
     from fused_preact.bench.shapes import MODEL_SPECS
@@ -186,9 +224,10 @@ def _parser() -> argparse.ArgumentParser:
                                                         "failed, or a convolution lacks tensor-core instructions or "
                                                         "async copies or loads 16-bit operands element-wise, or a "
                                                         "main loop breaks its limits beyond the loop baseline")
-    p.add_argument("--loop-baseline", metavar="JSON", default=str(DEFAULT_BASELINE),
-                   help="the ratchet baseline of the main-loop limits (default: tools/static_report/loop_baseline.json; "
-                        "the basic-block models': loop_baseline_basic.json beside it)")
+    p.add_argument("--loop-baseline", metavar="JSON", default=str(default_baseline()),
+                   help="the ratchet baseline of the main-loop limits (default: the running Triton's, "
+                        "tools/static_report/loop_baseline.json for 3.9, loop_baseline.triton3.6.json beside it for "
+                        "3.6, …; the basic-block models': loop_baseline_basic.json)")
     p.add_argument("--update-loop-baseline", action="store_true",
                    help="rewrite the loop baseline with this run's offenders (the variants it covers; the Triton "
                         "part must be unrestricted: default models — others only with a --loop-baseline of their "
@@ -205,6 +244,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the metrics cache")
     p.add_argument("--sass-dir", metavar="DIR", help="write each compilation's SASS there (bypasses the cache)")
     p.add_argument("--full-table", action="store_true", help="one table row per compilation")
+    p.add_argument("--summary", nargs="+", metavar="JSON",
+                   help="only print the markdown summary per model and Triton version of these report files "
+                        "(static-<triton>-<date>.json) for --models, and exit")
     return p
 
 
@@ -230,6 +272,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     a = parser.parse_args(argv)
+    if a.summary:
+        print(summary_table([json.loads(Path(f).read_text()) for f in a.summary], a.models))
+        return 0
     if a.update_loop_baseline and not a.no_triton and _restricted(a, parser):
         print("tools.static_report: --update-loop-baseline needs the whole Triton report (a restricted run's figures "
               "are lower bounds of the full run's); drop --layers/--kernels/--arch/--dtypes/--batch/--provider and "
@@ -320,7 +365,7 @@ def _restricted(a: argparse.Namespace, parser: argparse.ArgumentParser) -> bool:
     """Whether the Triton part of the run covers less than the default report (its models: less than
     the models given, where the baseline is not the default one — a baseline of other models)."""
     d = parser.parse_args([])
-    keys = ("arch", "dtypes") if Path(a.loop_baseline).resolve() != DEFAULT_BASELINE else ("models", "arch", "dtypes")
+    keys = ("arch", "dtypes") if Path(a.loop_baseline).resolve() != default_baseline() else ("models", "arch", "dtypes")
     return bool(a.layers or a.kernels or a.provider) or any(
         sorted(getattr(a, k)) != sorted(getattr(d, k)) for k in keys) or a.batch != d.batch
 

@@ -17,12 +17,13 @@ import torch
 
 from fused_preact.ops._common import interpreting, triton
 from fused_preact.ops.spec import BNMode, ConvGeom
+from fused_preact.ops.triton_compat import tile_override
 
 __all__ = ["GemmConfig", "UnitPlan", "fprop_config", "fprop_unroll", "wgrad_unroll", "quad_channels", "dgrad_slots",
            "dgrad_config", "wgrad_config", "candidates", "wgrad_split", "split_for", "arch_of", "p2", "contig_nhwc",
            "out_strides", "nhwc_strides_of", "is_channels_last", "max_offset", "INTERP_SUM_ROWS", "FOLD_BLOCK", "INT32_MAX",
            "one_step_tile", "LOOP_FREE", "halo_fprop", "halo_config", "halo_sync_config", "halo_rows", "halo_geometry",
-           "HALO_CHANNELS", "HALO_MAX_STAGED"]
+           "HALO_CHANNELS", "HALO_MAX_STAGED", "for_this_triton"]
 
 INT32_MAX = 2**31 - 1
 #: Rows per statistics tile under the interpreter: its sums are sequential in fp32, so tiles stay short.
@@ -116,8 +117,34 @@ def quad_channels(x_dtype: torch.dtype, cdtype: torch.dtype, Cg: int) -> bool:
     return x_dtype == torch.float32 and cdtype != torch.float32 and Cg % 16 == 0 and Cg > 16
 
 
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def for_this_triton(kind: str, cfg: GemmConfig, dtype: torch.dtype, arch: int,
+                    default: bool = True) -> Optional[GemmConfig]:
+    """``cfg`` as the installed Triton compiles it without spills
+    (:data:`fused_preact.ops.triton_compat.TILE_OVERRIDES`, read for ``arch``'s family: 90 from sm_90 on,
+    else 80): a listed default takes its replacement; a listed candidate (``default`` False) is dropped
+    (None) unless a replacement is listed."""
+    if arch < 80 or interpreting():
+        return cfg
+    family = 90 if arch >= 90 else 80  # the table, like the tile rules, by family: sm_86/89 as sm_80
+    listed, change = tile_override(kind, family, _DTYPE_NAMES.get(dtype, str(dtype)), cfg.label())
+    if not listed:
+        return cfg
+    if change is None:
+        return cfg if default else None
+    return dataclasses.replace(cfg, **change)
+
+
 def fprop_config(M: int, Kg: int, Cg: int, dtype: torch.dtype, stats: bool, arch: int = 0,
                  x32: bool = False, taps: int = 1, proj: bool = False, halo: bool = False) -> GemmConfig:
+    """:func:`_fprop_config` for the installed Triton (:func:`for_this_triton`)."""
+    return for_this_triton("fprop", _fprop_config(M, Kg, Cg, dtype, stats, arch, x32, taps, proj, halo), dtype, arch)
+
+
+def _fprop_config(M: int, Kg: int, Cg: int, dtype: torch.dtype, stats: bool, arch: int = 0,
+                  x32: bool = False, taps: int = 1, proj: bool = False, halo: bool = False) -> GemmConfig:
     """Default fprop tiles for an (M × Cg·R·S)·(… × Kg) implicit GEMM (M = N·P·Q output pixels).
 
     16-bit: one warpgroup (4 warps; with 8, Triton's loop has a third barrier per iteration) and 128
@@ -352,6 +379,12 @@ def dgrad_slots(g: ConvGeom, Kg: int, dtype: torch.dtype) -> int:
 
 def dgrad_config(M: int, Cg: int, Kg: int, dtype: torch.dtype, slots: int = 1, arch: int = 0, taps: int = 1,
                  res: bool = False) -> GemmConfig:
+    """:func:`_dgrad_config` for the installed Triton (:func:`for_this_triton`)."""
+    return for_this_triton("dgrad", _dgrad_config(M, Cg, Kg, dtype, slots, arch, taps, res), dtype, arch)
+
+
+def _dgrad_config(M: int, Cg: int, Kg: int, dtype: torch.dtype, slots: int = 1, arch: int = 0, taps: int = 1,
+                  res: bool = False) -> GemmConfig:
     """Default dgrad tiles (M = N·H·W input pixels, N = Cg, reduction over taps × Kg). 64-row tiles:
     the epilogue holds the accumulator, x, the mask and x̂ at once, and 128-row tiles sit at the
     255-register limit (they spill on sm_80 in bf16 and on sm_90 in fp32); 128 channels wide only with
@@ -492,6 +525,12 @@ def _thin_wgrad_tile(dtype: torch.dtype, arch: int, x32: bool) -> GemmConfig:
 
 def wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x32: bool = False,
                  strided: bool = False, taps: int = 1, halo: int = 0, proj: bool = False) -> GemmConfig:
+    """:func:`_wgrad_config` for the installed Triton (:func:`for_this_triton`)."""
+    return for_this_triton("wgrad", _wgrad_config(Kg, Cg, M, dtype, arch, x32, strided, taps, halo, proj), dtype, arch)
+
+
+def _wgrad_config(Kg: int, Cg: int, M: int, dtype: torch.dtype, arch: int = 0, x32: bool = False,
+                  strided: bool = False, taps: int = 1, halo: int = 0, proj: bool = False) -> GemmConfig:
     """Default wgrad tiles: BLOCK_M over output channels, BLOCK_N over input channels, BLOCK_K over
     the reduction (N·P·Q rows). The kernel computes dWᵀ: BLOCK_N is the MMA's M (64 per warpgroup on
     sm_90, so 64 with 4 warps: one warpgroup, one register A fragment), BLOCK_M its N (up to 128 in
@@ -623,7 +662,8 @@ def candidates(kind: str, m: int, n: int, k: int, dtype: torch.dtype, arch: int 
     if kind == "dgrad" and half == 1 and slots > 1 and not interpreting():
         cfg = dgrad_config(m, n, k, dtype, slots, arch, taps, res)
         out += [cfg] if cfg.num_stages == 2 and cfg not in out else []
-    return out
+    fitted = [for_this_triton(kind, cfg, dtype, arch, default=False) for cfg in out]
+    return list(dict.fromkeys(cfg for cfg in fitted if cfg is not None))
 
 
 def arch_of(device: torch.device) -> int:
