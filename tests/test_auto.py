@@ -34,6 +34,7 @@ from fused_preact.models import PreActBlock
 from fused_preact.ops import auto
 from fused_preact.ops.backends import BACKENDS, RecomputeBackend
 from fused_preact.ops.recompute.plan import RecomputePlan
+from fused_preact.ops.triton.tuning import TuneCache, _entry_file
 from fused_preact.ops.validate import EAGER_FLOOR, rule_violations
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +65,7 @@ def _forbidden(name, run, device):
 def _measure_env(monkeypatch, tmp_path):
     """Measuring on (conftest defaults to the static order), decisions into a fresh file, none held."""
     monkeypatch.setenv("FUSED_PREACT_DISPATCH", "measure")
-    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CACHE", str(tmp_path / "dispatch.json"))
+    monkeypatch.setenv("FUSED_PREACT_DISPATCH_CACHE", str(tmp_path / "dispatch"))
     monkeypatch.delenv("FUSED_PREACT_DISPATCH_CANDIDATES", raising=False)
     auto.forget()
     yield
@@ -484,7 +485,7 @@ def test_second_process_reuses_the_disk_cache(tmp_path):
         m = _block()
         m(_x())
     assert m.last_backend == "recompute"
-    cache = json.loads((tmp_path / "dispatch.json").read_text())
+    cache = TuneCache.read_folder(str(tmp_path / "dispatch"))
     (key, entry), = cache.items()
     assert entry["winner"] == "recompute" and "memory:fastest" in key
     env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1")
@@ -519,8 +520,8 @@ def test_a_corrupt_or_contradictory_decision_file_is_measured_again(tmp_path, ed
     records reject their winner, are not served (nor crash the call): the signature is measured again."""
     with auto.measuring(devices=("cpu",), timer=Timer()):
         _block()(_x())
-    path = tmp_path / "dispatch.json"
-    cache = json.loads(path.read_text())
+    path = tmp_path / "dispatch"
+    cache = TuneCache.read_folder(str(path))
     (key, entry), = cache.items()
     if edit == "winner-list":
         entry["winner"] = ["recompute"]
@@ -529,7 +530,9 @@ def test_a_corrupt_or_contradictory_decision_file_is_measured_again(tmp_path, ed
     else:
         for c in entry["candidates"]:
             c["valid"] = False if c["name"] == entry["winner"] else c["valid"]
-    path.write_text(json.dumps([entry] if edit == "top-level-list" else {key: entry}))
+    record = [entry] if edit == "top-level-list" else {"key": key, "value": entry}
+    with open(_entry_file(str(path), key), "w") as f:
+        json.dump(record, f)
     auto.forget()
     timer = Timer()
     with auto.measuring(devices=("cpu",), timer=timer):

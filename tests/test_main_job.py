@@ -119,6 +119,11 @@ def test_cifar10_pickle_folder(tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (["--lr", "-1"], "--lr: must be > 0"),
+    (["--lr", "inf"], "--lr: must be > 0, got inf"),
+    (["--momentum", "nan"], "--momentum: must be ≥ 0, got nan"),
+    (["--batch-size", "1", "--image-size", "1"], "would see one value per channel"),
+    pytest.param(["--backend", "cuda"], "argument --backend: 'cuda' cannot run here: cuda: ",
+                 marks=pytest.mark.skipif(DEVICE == "cuda", reason="the CPU refusal")),
     (["--weight-decay", "-0.1"], "--weight-decay: must be ≥ 0"),
     (["--device", "cuda:7" if DEVICE == "cuda" else "cuda"], "--device"),
     (["--device", "potato"], "--device: not a torch device"),
@@ -170,15 +175,19 @@ def test_nan_loss_at_any_step_fails_the_divergence_check(tmp_path, monkeypatch):
     assert math.isnan(r["max_rel_divergence"]) and not r["ok"]
 
 
-@pytest.mark.parametrize("where", ["missing-folder", "folder"])
+@pytest.mark.parametrize("where", ["missing-folder", "folder", "parent-is-a-file"])
 def test_json_path_is_checked_before_the_run(tmp_path, capsys, where):
     """An unwritable --json is a usage error up front, not an exception after the whole run."""
-    path = tmp_path / "no-such-folder" / "r.json" if where == "missing-folder" else tmp_path
+    (tmp_path / "a-file").write_text("")
+    path = {"missing-folder": tmp_path / "no-such-folder" / "r.json", "folder": tmp_path,
+            "parent-is-a-file": tmp_path / "a-file" / "sub" / "r.json"}[where]
     with pytest.raises(SystemExit) as e:
         main(FAST + ["--steps", "1", "--batch-size", "4", "--json", str(path)])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "argument --json: " in err and ("no such folder" if where == "missing-folder" else "is a folder") in err, err
+    expected = {"missing-folder": "no such folder", "folder": "is a folder",
+                "parent-is-a-file": "a-file' is a file, not a folder"}[where]
+    assert "argument --json: " in err and expected in err, err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is for runs without CUDA")

@@ -214,6 +214,20 @@ def test_bad_input_raises_and_leaves_buffers(x, exc, match, backend):
         assert torch.equal(v, before[k]), k
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_an_empty_image_in_a_nonempty_batch_raises_eagers_error(backend, training, grad):
+    """N > 0 with H = 0, padded so that the output would not be empty: F.conv2d refuses it; the fused
+    path wrote nothing (training: finalize read partial sums never written; eval: zeros or a division
+    by zero in backward)."""
+    m = FusedBNReLUConv2d(3, 4, 3, padding=2, backend=backend).to(DEVICE).train(training)
+    x = torch.randn(2, 3, 0, 5, device=DEVICE, requires_grad=grad)
+    with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match=re.escape(
+            "Only zero batch or zero channel inputs are supported, but got input shape: [2, 3, 0, 5]")):
+        m(x)
+
+
 def test_forced_triton_on_cpu_without_interpreter_is_a_clear_error():
     code = textwrap.dedent(
         """

@@ -116,7 +116,7 @@ def _fp32_cases():
 
 
 @pytest.mark.parametrize("backend", FUSED_BACKENDS)
-@pytest.mark.parametrize("shape,channels_last", _fp32_cases())
+@pytest.mark.parametrize("shape,channels_last", list(_fp32_cases()))
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_fp32(shape, training, channels_last, backend):
     _run(shape, training, channels_last, torch.float32, backend=backend)

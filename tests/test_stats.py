@@ -26,7 +26,7 @@ def _cases():
                                marks=pytest.mark.slow if slow else ())
 
 
-@pytest.mark.parametrize("shape,channels_last", _cases())
+@pytest.mark.parametrize("shape,channels_last", list(_cases()))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_matches_float64(shape, dtype, channels_last):
     x = (torch.randn(shape, dtype=torch.float64) * 3 + 1).to(DEVICE, dtype)

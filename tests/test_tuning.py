@@ -53,7 +53,7 @@ def test_plan_tunes_picks_caches_and_stays_correct(monkeypatch, tmp_path):
     assert {t[0] for t in timed} == {"fprop", "dgrad", "wgrad"}
     plan = next(iter(block._plans.values()))[1]
     assert all(u.fcfg.BLOCK_M == 64 and u.dcfg.BLOCK_M == 64 for u in plan.units)  # the fake timer's choice
-    entries = json.loads(cache.read_text())
+    entries = _tuning.TuneCache.read_folder(str(cache))
     assert len(entries) >= 3 and all(set(v) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "unroll",
                                                                    "slots", "halo"}
                                      for v in entries.values())
@@ -71,7 +71,7 @@ def test_second_process_reuses_the_cache(tmp_path):
     cfg = GemmConfig(64, 32, 16, 4, 4)
     first = _tuning.TuneCache(str(cache))
     got = _tuning.choose(first, "k1", [GemmConfig(128, 64, 32), cfg], None, lambda c: 1.0 if c == cfg else 2.0,
-                         lambda c: c.__dict__, lambda d: GemmConfig(**d))
+                         lambda c: c.__dict__)
     assert got == cfg
     code = textwrap.dedent("""
         import sys
@@ -81,7 +81,7 @@ def test_second_process_reuses_the_cache(tmp_path):
             raise SystemExit("timed a candidate although the cache has the key")
         cache = _tuning.cache_for("cpu")
         print(_tuning.choose(cache, "k1", [GemmConfig(128, 64, 32), GemmConfig(64, 32, 16, 4, 4)], None, never,
-                             lambda c: c.__dict__, lambda d: GemmConfig(**d)))
+                             lambda c: c.__dict__))
     """)
     env = dict(os.environ, FUSED_PREACT_AUTOTUNE_CACHE=str(cache))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -89,29 +89,99 @@ def test_second_process_reuses_the_cache(tmp_path):
     assert "BLOCK_M=64, BLOCK_N=32, BLOCK_K=16" in out.stdout
 
 
+def _write_raw(folder, key, value):
+    """An entry file as another version or an edit may have left it."""
+    os.makedirs(folder, exist_ok=True)
+    with open(_tuning._entry_file(str(folder), key), "w") as f:
+        json.dump({"key": key, "value": value}, f)
+
+
 @pytest.mark.parametrize("entry", [{"BLOCK_M": 128, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 3},
                                    {"BLOCK_M": 48, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
-                                   {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "splits": 2}, "64x64", None])
+                                   {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "splits": 2}, "64x64", None,
+                                   {"BLOCK_M": 64.0, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3,
+                                    "unroll": 1, "slots": 1, "halo": False},
+                                   {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": True,
+                                    "unroll": 1, "slots": 1, "halo": False}])
 def test_a_cached_entry_that_is_not_a_candidate_is_tuned_again(tmp_path, entry):
-    """A cache file from another version, or edited, may name tiles this problem cannot take (the
-    wgrad kernel holds four pieces of output channels: 128×16 tiles drop half of dW): such an entry is
-    not served; the candidates are timed again and the entry overwritten."""
-    path = tmp_path / "tune.json"
-    path.write_text(json.dumps({"k": entry}))
+    """A cache from another version, or edited, may name tiles this problem cannot take (the wgrad
+    kernel holds four pieces of output channels: 128×16 tiles drop half of dW), or a candidate's numbers
+    as floats or booleans (which compare equal to it and then break every launch): such an entry is not
+    served; the candidates are timed again and the entry overwritten."""
+    path = tmp_path / "tune"
+    _write_raw(path, "k", entry)
     good = GemmConfig(64, 64, 64, 4, 3)
     got = _tuning.choose(_tuning.TuneCache(str(path)), "k", [good], GemmConfig(64, 64, 128, 4, 3), lambda c: 1.0,
-                         dataclasses.asdict, lambda d: GemmConfig(**d))
-    assert got == good
-    assert json.loads(path.read_text())["k"] == dataclasses.asdict(good)
+                         dataclasses.asdict)
+    assert got == good and type(got.BLOCK_M) is int
+    assert _tuning.TuneCache.read_folder(str(path))["k"] == dataclasses.asdict(good)
 
 
-def test_a_cache_file_that_is_not_an_object_is_ignored(tmp_path):
-    path = tmp_path / "tune.json"
-    path.write_text("[1, 2]")
-    cache = _tuning.TuneCache(str(path))
-    assert cache.get("k") is None
-    cache.put("k", {"BLOCK_M": 64})
-    assert json.loads(path.read_text()) == {"k": {"BLOCK_M": 64}}
+@pytest.mark.parametrize("where", ["file-as-folder", "xdg-is-a-file", "read-only"])
+def test_an_unusable_cache_location_warns_once_and_keeps_going_in_memory(tmp_path, monkeypatch, where):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("not a folder")
+    if where == "file-as-folder":
+        path = str(blocker)
+    elif where == "xdg-is-a-file":
+        monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+        path = _tuning.default_cache_path("dev", "3.9.0")
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes to read-only folders")
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        path = str(ro / "cache")
+    monkeypatch.setattr(_tuning.TuneCache, "_warned", set())
+    cache = _tuning.TuneCache(path)
+    with pytest.warns(RuntimeWarning, match="cannot write the cache folder"):
+        cache.put("a", {"BLOCK_M": 64})
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: a second cache on the same folder stays quiet
+        cache.put("b", {"BLOCK_M": 32})
+        _tuning.TuneCache(path).put("c", {"BLOCK_M": 16})
+    assert cache.get("a") == {"BLOCK_M": 64} and cache.get("b") == {"BLOCK_M": 32}
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_the_single_file_cache_of_earlier_releases_is_read(tmp_path):
+    """Before 2026-12 the cache was one JSON file (``<path>.json`` by default): its entries are served,
+    new ones go to the folder."""
+    (tmp_path / "tune.json").write_text(json.dumps({"old": {"BLOCK_M": 64}, "bad": [1]}))
+    cache = _tuning.TuneCache(str(tmp_path / "tune"))
+    assert cache.get("old") == {"BLOCK_M": 64} and cache.get("bad") is None
+    cache.put("new", {"BLOCK_M": 32})
+    assert _tuning.TuneCache.read_folder(str(tmp_path / "tune")) == {"new": {"BLOCK_M": 32}}
+
+
+def test_memory_is_bounded_and_evicted_entries_come_back_from_disk(tmp_path, monkeypatch):
+    monkeypatch.setattr(_tuning, "MAX_ENTRIES", 3)
+    cache = _tuning.TuneCache(str(tmp_path / "tune"))
+    for i in range(10):
+        cache.put(f"k{i}", {"i": i})
+    assert len(cache.entries) == 3 and list(cache.entries) == ["k7", "k8", "k9"]
+    assert cache.get("k0") == {"i": 0} and len(cache.entries) == 3
+    assert len(_tuning.TuneCache(None).entries) == 0
+
+
+_WRITER = textwrap.dedent("""
+    import sys
+    from fused_preact.ops.triton import tuning
+    cache = tuning.TuneCache(sys.argv[1])
+    for i in range(int(sys.argv[3])):
+        cache.put(f"{sys.argv[2]}-{i}", {"i": i})
+""")
+
+
+def test_two_processes_writing_one_cache_lose_nothing(tmp_path):
+    folder = str(tmp_path / "shared")
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, folder, name, "150"]) for name in ("a", "b")]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    entries = _tuning.TuneCache.read_folder(folder)
+    assert len(entries) == 300 and entries["a-149"] == {"i": 149} and entries["b-0"] == {"i": 0}
 
 
 def test_candidates_are_clamped_and_unique():
@@ -406,3 +476,25 @@ def test_dgrad_takes_a_filter_row_per_step_for_narrow_outputs(monkeypatch):
 def test_tuning_can_be_disabled(monkeypatch):
     monkeypatch.setenv("FUSED_PREACT_AUTOTUNE", "0")
     assert not _tuning.tuning_enabled()
+
+
+def test_plan_and_decision_caches_are_bounded_lru(monkeypatch):
+    """A module called with ever new shapes (multi-scale training) keeps the most recently used
+    MAX_PLANS plans, not one per shape for the life of the process."""
+    import copy
+
+    from fused_preact import FusedBNReLUConv2d
+    from fused_preact.ops import auto, backends
+    from fused_preact.ops._common import LRUDict
+
+    monkeypatch.setattr(backends, "MAX_PLANS", 4)
+    m = FusedBNReLUConv2d(4, 4, 1, backend="reference")
+    for size in range(2, 11):
+        m(torch.randn(1, 4, size, size))
+    assert m._plans.maxsize == 4 and len(m._plans) == 4
+    first = next(iter(m._plans))
+    m._plans.get(first)  # a hit makes it the most recent
+    m(torch.randn(1, 4, 12, 12))
+    assert first in m._plans and len(m._plans) == 4
+    assert len(copy.deepcopy(m)._plans) == 0 and copy.deepcopy(m)._plans.maxsize == 4
+    assert isinstance(auto._BY_KEY, LRUDict) and auto._BY_KEY.maxsize == auto.MAX_DECISIONS

@@ -163,11 +163,24 @@ def parse_args(argv: Optional[list[str]] = None, cuda: bool = False) -> argparse
     for name, low, strict in (("lr", 0.0, True), ("momentum", 0.0, False), ("weight_decay", 0.0, False),
                               ("tolerance", 0.0, True), ("tolerance_soak", 0.0, True)):
         value = getattr(args, name)
-        if not (value > low if strict else value >= low) or value != value:
+        if not (value > low if strict else value >= low) or not math.isfinite(value):
             p.error(f"argument --{name.replace('_', '-')}: must be {'>' if strict else '≥'} {low:g}, got {value}")
+    last = -(-(-(-args.image_size // 2)) // 2)  # the last stage's side: two stride-2 stages
+    if args.data_dir is None and args.batch_size * last * last < 2:
+        p.error(f"arguments --batch-size {args.batch_size} --image-size {args.image_size}: the last stage's "
+                f"BatchNorm would see one value per channel ({args.batch_size} image of {last}×{last}); "
+                "training needs more than one")
     problem = _device_problem(args.device)
     if problem:
         p.error(f"argument --device: {problem}")
+    if args.backend != "auto":  # a forced backend that cannot serve the run's fp32 input: one line, up front
+        import torch
+
+        probe = torch.empty(2, 3, args.image_size, args.image_size, device=args.device)
+        reasons = BACKENDS[args.backend].not_supported_reasons(probe)
+        if reasons:
+            p.error(f"argument --backend: {args.backend!r} cannot run here: {reasons[0].split(' (')[0]}"
+                    + (f" (and {len(reasons) - 1} more reasons)" if len(reasons) > 1 else ""))
     if args.json:
         problem = _unwritable(args.json)
         if problem:
@@ -182,6 +195,11 @@ def _unwritable(path: str) -> Optional[str]:
     if os.path.isdir(path):
         return f"{path!r} is a folder"
     if not os.path.isdir(folder):
+        up = folder
+        while up and not os.path.exists(up) and os.path.dirname(up) != up:
+            up = os.path.dirname(up)
+        if os.path.exists(up) and not os.path.isdir(up):
+            return f"{up!r} is a file, not a folder"
         return f"no such folder: {folder!r}"
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         return f"{path!r} is not writable"

@@ -51,6 +51,10 @@ def decode_key(key: str):
             getattr(torch, rd) if rd is not None else None)
 
 
+#: Plans of the custom ops by (chain key, shape, strides, dtype, device). Not evicted: a backward must find
+#: the very plan (its tiles lay out the ``aux`` the forward saved) that served its forward, however many
+#: other signatures ran in between. Its size is bounded by what ``torch.compile`` compiles, whose
+#: recompilations per frame Dynamo caps (``torch._dynamo.config.recompile_limit``).
 _PLANS: dict = {}
 
 

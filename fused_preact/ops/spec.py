@@ -254,7 +254,7 @@ def validate_chain(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tup
             eval; malformed geometry.
         RuntimeError: non-floating x; channel mismatch; groups not dividing channels; tensors on other
             devices; a dtype mismatch (under autocast: a float64 tensor among the others); output size ≤ 0;
-            residual of the wrong shape.
+            an empty image (H or W = 0) in a non-empty batch, as ``F.conv2d``; residual of the wrong shape.
     """
     if x.dim() != 4:
         raise ValueError(f"expected 4D input (got {x.dim()}D input)")
@@ -279,6 +279,9 @@ def validate_chain(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tup
         if modes[i].kind == RUNNING and t.eps[i] < 0:
             raise ValueError(f"batch_norm eps must be non-negative, but got {t.eps[i]}")
         _check_conv(x, g, w, b, c, h, wd, shape, autocast)
+        if n > 0 and c > 0 and h * wd == 0:  # F.conv2d's check (a padded empty image has an output)
+            raise RuntimeError(f"Only zero batch or zero channel inputs are supported, but got input shape: "
+                               f"{list(shape)}")
         shape = (n, g.out_channels, *g.out_hw(h, wd))
         shapes.append(shape)
     if spec.proj is not None:

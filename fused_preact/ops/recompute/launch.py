@@ -61,7 +61,7 @@ def preact(*, x: torch.Tensor, pack: torch.Tensor, a: torch.Tensor, idx64: bool)
     grid = (triton.cdiv(M, bm), triton.cdiv(C, bc))
     args = (x, *_strides(x), pack, a, *_strides(a), M, H, W, C)
     kw = dict(IDX64=idx64, BLOCK_M=bm, BLOCK_C=bc, num_warps=4)
-    if TL._recorder is not None:
+    if TL._active() is not None:
         TL._record("preact", RK._preact_kernel, grid, args, kw)
     else:
         RK._preact_kernel[grid](*args, **kw)
@@ -84,7 +84,7 @@ def mask_sums(*, da: torch.Tensor, x: torch.Tensor, pack: torch.Tensor, out: tor
     rs = _strides(res) if res is not None else (0, 0, 0, 0)
     args = (da, *_strides(da), x, *_strides(x), pack, out, *out_strides, res, *rs, psum, M, rows, H, W, C)
     kw = dict(WRITE_DX=write_dx, HAS_RES=res is not None, IDX64=idx64, BLOCK_M=bm, BLOCK_C=bc, num_warps=4)
-    if TL._recorder is not None:
+    if TL._active() is not None:
         TL._record("mask_sums", RK._mask_sums_kernel, grid, args, kw)
     else:
         RK._mask_sums_kernel[grid](*args, **kw)

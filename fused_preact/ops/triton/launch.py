@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from typing import Iterator, Optional
 
 import torch
@@ -51,23 +52,31 @@ class Launch:
         self.fn[self.grid](*self.args, **self.kwargs)
 
 
-_recorder: Optional[list] = None
+#: The open recording of each thread: recording is per thread, so a recording that the autotuner or a
+#: tool opens never captures (and so never skips) the launches another thread makes meanwhile.
+_local = threading.local()
+
+
+def _active() -> Optional[list]:
+    """The calling thread's open recording, or None (launches run)."""
+    return getattr(_local, "recorder", None)
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[list]:
-    """``with recording() as launches: plan.forward(...)`` lists the :class:`Launch` records a call
-    would make instead of making them (not thread-safe: a development tool)."""
-    global _recorder
-    outer, _recorder = _recorder, []
+    """``with recording() as launches: plan.forward(...)`` lists the :class:`Launch` records a call in
+    this thread would make instead of making them; launches in other threads run as usual. Nests (the
+    inner recording gets its own list)."""
+    outer = _active()
+    _local.recorder = []
     try:
-        yield _recorder
+        yield _local.recorder
     finally:
-        _recorder = outer
+        _local.recorder = outer
 
 
 def _record(name: str, fn, grid: tuple, args: tuple, kwargs: dict, conv: str = "") -> None:
-    _recorder.append(Launch(name, fn, grid, args, kwargs, conv))
+    _active().append(Launch(name, fn, grid, args, kwargs, conv))
 
 
 def conv_label(geom: ConvGeom, in_shape, out_shape) -> str:
@@ -152,7 +161,7 @@ def stats_partial(*, x: torch.Tensor, x_strides, part: torch.Tensor, shape, rows
     grid = (num_parts, triton.cdiv(C, block_c))
     args = (x, *x_strides, part, M)
     kw = dict(H=H, W=W, C=C, IDX64=idx64, BLOCK_M=rows, BLOCK_C=block_c, num_warps=1 if interpreting() else 8)
-    if _recorder is not None:
+    if _active() is not None:
         _record("stats", BK._stats_partial_kernel, grid, args, kw)
     else:
         BK._stats_partial_kernel[grid](*args, **kw)
@@ -174,7 +183,7 @@ def finalize(*, pack: torch.Tensor, C: int, mode: BNMode, part: Optional[torch.T
             float(momentum or 0.0), float(eps))
     kw = dict(C=C, MODE=mode.kind, HAS_AFFINE=mode.affine, UPDATE_RUNNING=mode.update, CUMULATIVE=mode.cumulative,
               INC_NBT=inc, BLOCK_C=block_c, BLOCK_P=_block_p(num_parts))
-    if _recorder is not None:
+    if _active() is not None:
         _record("finalize", BK._finalize_kernel, grid, args, kw)
     else:
         BK._finalize_kernel[grid](*args, **kw)
@@ -223,7 +232,7 @@ def fprop(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Tensor, 
               ONE_CK=Cg <= cfg.BLOCK_K, QUAD=quad, STEPS=steps if one_iter else 0,
               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, BLOCK_K2=block_k2,
               UNROLL=cfg.unroll, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if _recorder is not None:
+    if _active() is not None:
         _record(name, FK._fprop_kernel, grid, args, kw, conv_label(g, u.in_shape, u.out_shape))
     else:
         FK._fprop_kernel[grid](*args, **kw)
@@ -261,7 +270,7 @@ def _fprop_halo(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Te
               HAS_RES=res is not None, STATS=part is not None, **_dot(cdtype, idx64), PRO16=_pro16(cdtype),
               EVEN_N=K % cfg.BLOCK_N == 0, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
               STAGE_ROWS=128, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if _recorder is not None:
+    if _active() is not None:
         _record(name, HK._fprop_halo_kernel, grid, args, kw, conv_label(g, u.in_shape, u.out_shape))
     else:
         HK._fprop_halo_kernel[grid](*args, **kw)
@@ -297,7 +306,7 @@ def dgrad(u: UnitPlan, *, dy: torch.Tensor, dy_strides, w: torch.Tensor, x: torc
               EVEN_K2=K2 % block_k2 == 0, **_dot(cdtype, idx64), ASM=not interpreting(),
               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, BLOCK_K2=block_k2, SLOTS=cfg.slots,
               STEPS=int(one_step), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if _recorder is not None:
+    if _active() is not None:
         _record("dgrad", CK._dgrad_kernel, grid, args, kw, conv_label(g, u.in_shape, u.out_shape))
     else:
         CK._dgrad_kernel[grid](*args, **kw)
@@ -360,7 +369,7 @@ def wgrad(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmConfig, s
               BLOCK_N=cfg.BLOCK_N, BLOCK_R=cfg.BLOCK_K,
               BLOCK_C=block_c if fold else 16, BLOCK_P=block_p if fold else 16, UNROLL=cfg.unroll,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if _recorder is not None:
+    if _active() is not None:
         _record("wgrad" if fold else "wgrad_proj", CK._wgrad_kernel, grid, args, kw,
                 conv_label(g, in_shape, out_shape))
     else:
@@ -403,7 +412,7 @@ def _wgrad_halo(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmCon
               EVEN_K=K == cfg.BLOCK_M, SUM_MODE=sum_mode, HAS_GAMMA=dgamma is not None, **_dot(cdtype, idx64),
               PRO16=_pro16(cdtype), BLOCK_M=cfg.BLOCK_M, BLOCK_R=cfg.BLOCK_K, RPI=rpi, BLOCK_C=block_c,
               BLOCK_P=_block_p(num_parts), STAGE_ROWS=128, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if _recorder is not None:
+    if _active() is not None:
         _record("wgrad", HK._wgrad_halo_kernel, grid, args, kw, conv_label(g, in_shape, out_shape))
     else:
         HK._wgrad_halo_kernel[grid](*args, **kw)
@@ -438,7 +447,7 @@ def dx(*, geom: ConvGeom, shape, x: torch.Tensor, x_strides, pack: torch.Tensor,
               R1=geom.kernel[0], S1=geom.kernel[1], SPLIT1=split1, HAS_RED1=n_red1 > 0,
               K2=k2, CG2=C, SPLIT2=split2, HAS_RED2=n_red2 > 0, BLOCK_M=bm, BLOCK_C=bc, BLOCK_E=FOLD_BLOCK,
               num_warps=4)
-    if _recorder is not None:
+    if _active() is not None:
         _record("dx", BK._dx_kernel, grid, args, kw)
     else:
         BK._dx_kernel[grid](*args, **kw)

@@ -458,8 +458,7 @@ def _tune_unit(plan: TritonPlan, u: UnitPlan, i: int) -> None:
         rows = u.M_in if kind == "dgrad" else u.M_out
         key = f"{kind}|{base}|M{triton.next_power_of_2(rows)}|stats{int(u.stats_out)}"
         best = choose(cache, key, plan.unit_candidates(u, i, kind), getattr(u, attr),
-                      lambda cfg, kind=kind: _time_config(plan, u, i, kind, cfg), dataclasses.asdict,
-                      lambda d: GemmConfig(**d))
+                      lambda cfg, kind=kind: _time_config(plan, u, i, kind, cfg), dataclasses.asdict)
         setattr(u, attr, best)
 
 
