@@ -292,6 +292,28 @@ def test_report_of_results_that_are_not_a_list_is_refused(tmp_path, capsys):
     assert "not a valid results file" in capsys.readouterr().err  # was a TypeError traceback, exit 1
 
 
+@pytest.mark.parametrize("field", ["skipped", "peaks", "peaks-rates", "auto", "infinite-median"])
+def test_report_of_malformed_optional_fields_is_refused(tmp_path, capsys, field):
+    """Fields the report reads beyond the required ones (skipped tasks, peaks, auto records) and a
+    non-finite time: a message and exit 2, not a traceback or a table of Infinity."""
+    obj = _results([_entry("eager", 2.0), _entry("auto", 1.0)])
+    if field == "skipped":
+        obj["skipped"] = [{"name": "x"}]
+    elif field == "peaks":
+        obj["peaks"] = {"tflops": "fast"}
+    elif field == "peaks-rates":
+        obj["peaks"] = {"tflops": 800, "matmul_tflops": [800]}
+    elif field == "auto":
+        obj["results"][1]["auto"] = [{"runs": "triton"}]
+    else:
+        obj["results"][0]["median_ms"] = float("inf")
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(obj))  # Infinity is what json writes for inf
+    assert bench.main(["--report", str(path), "--no-chart"]) == 2
+    assert "not a valid results file" in capsys.readouterr().err
+    assert bench.validate_results(_results([_entry("eager", 2.0)])) == []
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--batch", "0"], "argument --batch: must be at least 1, got 0"),
     (["--batch", "-4"], "argument --batch: must be at least 1, got -4"),

@@ -201,6 +201,10 @@ def test_cli_subprocess(tmp_path):
 @pytest.mark.parametrize("argv,message", [
     (["--depth", "10"], "argument --depth: depth 10 invalid for basic blocks: need depth = 6·n + 2"),
     (["--depth", "8", "--bottleneck", "yes"], "argument --depth: depth 8 invalid for bottleneck blocks"),
+    (["--depth", "8", "--bottleneck", "yes"], "(e.g. 11, 20, 29, 56, 110, 164, 1001 (9n+2) with bottlenecks)"),
+    (["--device", "potato"], "argument --device: not a torch device"),
+    (["--device", "cuda:9"], "argument --device: "),
+    (["--json", "/proc/version/r.json"], "argument --json: '/proc/version' is a file, not a folder"),
     (["--depth", "170"], "argument --depth: depth 170 invalid for bottleneck blocks"),
     (["--batch", "0"], "argument --batch: must be at least 1, got 0"),
     (["--image-size", "-1"], "argument --image-size: must be at least 1, got -1"),

@@ -4,6 +4,7 @@ derived ratios (:func:`annotate`) and the validator (format in ``benchmarks/resu
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import statistics
@@ -102,8 +103,11 @@ def validate_results(obj: Any) -> list[str]:
     ``torch``, ``triton``, ``commit``, ``date``, ``command`` (str) and ``results`` (list); each entry
     ``name``, ``level`` (unit/block/model/kernel), ``provider``, ``mode`` (fwd/bwd/fwd+bwd/step/enqueue,
     fprop/dgrad/wgrad at the kernel level and only there), ``dtype`` (str), ``batch`` (int), ``median_ms``
-    (> 0), ``peak_mem_bytes`` (int ≥ 0), for unit entries ``floor_ms`` (> 0) and for enqueue entries
-    ``wall_ms`` (> 0). Other keys are allowed."""
+    (finite, > 0), ``peak_mem_bytes`` (int ≥ 0), for unit entries ``floor_ms`` (> 0) and for enqueue
+    entries ``wall_ms`` (> 0). Optional fields the report reads must have its shape where present:
+    ``skipped`` (list of objects with str ``level``, ``name``, ``provider``, ``reason``), ``peaks`` (object
+    of numbers or None, ``matmul_tflops`` an object of numbers), an entry's ``auto`` (list of objects with
+    str ``runs`` and ``source`` and an object ``candidates``). Other keys are allowed."""
     if not isinstance(obj, dict):
         return ["results object is not a JSON object"]
     problems = [f"top-level {k!r} missing or not {t.__name__}" for k, t in _TOP.items() if not isinstance(obj.get(k), t)]
@@ -123,13 +127,38 @@ def validate_results(obj: Any) -> list[str]:
             problems.append(f"{where}: mode {e.get('mode')!r} does not belong to level {e.get('level')!r}")
         if e.get("mode") == "enqueue" and not (isinstance(e.get("wall_ms"), (int, float)) and e["wall_ms"] > 0):
             problems.append(f"{where}: enqueue entries need wall_ms > 0")
-        if isinstance(e.get("median_ms"), (int, float)) and not e["median_ms"] > 0:
-            problems.append(f"{where}: median_ms must be > 0")
+        if isinstance(e.get("median_ms"), (int, float)) and not 0 < e["median_ms"] < math.inf:
+            problems.append(f"{where}: median_ms must be finite and > 0")
+        auto = e.get("auto")
+        if auto is not None and not (isinstance(auto, list) and all(
+                isinstance(c, dict) and isinstance(c.get("runs"), str) and isinstance(c.get("source"), str)
+                and isinstance(c.get("candidates"), dict) for c in auto)):
+            problems.append(f"{where}: auto must be a list of {{runs, source, candidates}} objects")
         if isinstance(e.get("peak_mem_bytes"), int) and e["peak_mem_bytes"] < 0:
             problems.append(f"{where}: peak_mem_bytes must be ≥ 0")
         if e.get("level") == "unit" and not (isinstance(e.get("floor_ms"), (int, float)) and e["floor_ms"] > 0):
             problems.append(f"{where}: unit entries need floor_ms > 0")
+    problems += _optional_problems(obj)
     return problems
+
+
+def _optional_problems(obj: dict) -> list[str]:
+    """Problems with the optional top-level fields the report reads (``skipped``, ``peaks``)."""
+    out = []
+    skipped = obj.get("skipped")
+    if skipped is not None and not (isinstance(skipped, list) and all(
+            isinstance(s, dict) and all(isinstance(s.get(k), str) for k in ("level", "name", "provider", "reason"))
+            for s in skipped)):
+        out.append("top-level 'skipped' must be a list of {level, name, provider, reason} objects")
+    peaks = obj.get("peaks")
+    number = lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+    if peaks is not None and not (isinstance(peaks, dict) and all(
+            number(v) for k, v in peaks.items() if k not in ("matmul_tflops", "fp32_math"))
+            and (peaks.get("matmul_tflops") is None or (isinstance(peaks["matmul_tflops"], dict)
+                                                        and all(number(v) for v in peaks["matmul_tflops"].values())))
+            and isinstance(peaks.get("fp32_math", ""), str)):
+        out.append("top-level 'peaks' must be an object of finite numbers (matmul_tflops: per dtype)")
+    return out
 
 
 def _slug(text: str) -> str:

@@ -232,10 +232,23 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int_at_least(1), default=24, help="table rows per model (evenly spaced blocks; default 24)")
     args = p.parse_args(argv)
     for depth in args.depth:
+        bottleneck = {"yes": True, "no": False}.get(args.bottleneck, depth >= 164)
         try:
-            _units_per_stage(depth, {"yes": True, "no": False}.get(args.bottleneck, depth >= 164))
+            _units_per_stage(depth, bottleneck)
         except ValueError as e:
-            p.error(f"argument --depth: {e} (e.g. 8, 14, 20, 56, 110, or 164, 1001 with bottlenecks)")
+            examples = ("11, 20, 29, 56, 110, 164, 1001 (9n+2) with bottlenecks" if bottleneck
+                        else "8, 14, 20, 56, 110 (6n+2) with basic blocks")
+            p.error(f"argument --depth: {e} (e.g. {examples})")
+    from fused_preact.experiments.main_job import _device_problem, _unwritable
+
+    problem = _device_problem(args.device)
+    if problem:
+        p.error(f"argument --device: {problem}")
+    for name in ("json", "out"):
+        if getattr(args, name):
+            problem = _unwritable(getattr(args, name))
+            if problem:
+                p.error(f"argument --{name}: {problem}")
     return args
 
 
