@@ -1,7 +1,11 @@
-"""Benchmarks need a CUDA device; without one every benchmark is skipped (CPU timings of GPU kernels mean nothing).
+"""The GPU benchmarks need a CUDA device (CPU timings of GPU kernels mean nothing); the CPU benchmarks
+(``test_cpu.py``, marked ``cpu``) measure what a CPU can: eager vs the ``recompute`` backend's training
+step and saved-tensor bytes, in plain PyTorch ops.
 
-Run: ``pytest benchmarks --benchmark-only`` (``FUSED_PREACT_BENCH=quick`` for the short subset; see
-``bench_support.py``). The peaks of the roofline floor are measured once per session.
+Run: ``pytest benchmarks --benchmark-only`` (``FUSED_PREACT_BENCH=quick`` for the short GPU subset; see
+``bench_support.py``). Without CUDA (or with Triton's interpreter on) the GPU benchmarks are deselected
+with one summary line and the CPU ones run; with CUDA the CPU ones are deselected. The peaks of the
+roofline floor are measured once per session.
 """
 
 import os
@@ -9,15 +13,29 @@ import os
 import pytest
 import torch
 
+_DESELECTED: list = []
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu: a CPU benchmark (plain PyTorch ops); runs only without CUDA")
+
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return
-    reason = ("benchmarks need a CUDA device" if not torch.cuda.is_available() else
-              "TRITON_INTERPRET is set: the fused kernels would run in Triton's interpreter")
-    skip = pytest.mark.skip(reason=reason)
-    for item in items:
-        item.add_marker(skip)
+    gpu = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    keep = [it for it in items if ("cpu" in it.keywords) != gpu]
+    dropped = [it for it in items if it not in keep]
+    if dropped:
+        reason = ("CPU benchmarks: this machine has CUDA" if gpu else
+                  "GPU benchmarks: no CUDA device" if not torch.cuda.is_available() else
+                  "GPU benchmarks: TRITON_INTERPRET is set (the fused kernels would run in Triton's interpreter)")
+        _DESELECTED[:] = [f"{len(dropped)} {reason}"]
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in _DESELECTED:
+        terminalreporter.write_line(f"deselected: {line}")
 
 
 @pytest.fixture(scope="session")
