@@ -2,8 +2,8 @@
 
 Supported: Triton 3.6 to 3.9, the releases PyTorch's CUDA wheels pin (torch 2.10.0/2.11.0 →
 ``triton==3.6.0``, 2.12.1 → ``3.7.1``, 2.14.x → ``~=3.8.0``, 2.15 → 3.9; read from the wheels' metadata),
-statically checked under 3.6, 3.8 and 3.9 (every launch of PreActResNet-50 and -164 compiles without
-spills) and run through the interpreter tests under 3.6 and 3.9.
+statically checked under 3.6, 3.7, 3.8 and 3.9 (every launch of PreActResNet-50 and -164 compiles
+without spills) and run through the interpreter tests under 3.6 and 3.9.
 :data:`TORCH_TRITON_PINS` holds that table; ``tests/test_packaging.py`` checks pyproject's range
 against it. Nothing else in the package compares Triton versions: it reads the facts below.
 
@@ -120,6 +120,13 @@ TILE_OVERRIDES: dict[tuple[int, int], dict[tuple[str, int, str, str], Optional[d
         ("fprop", 80, "bf16", "64x64x32_w4_s4"): None,
         ("fprop", 80, "fp16", "64x64x16_w4_s3"): None,
         ("fprop", 80, "fp16", "64x64x16_w4_s4"): None,
+    },
+    (3, 7): {
+        # defaults: R164 layer2's one-step 1x1 128->32 fprop (128 rows -> 64), R164's thin 1x1 64->16 wgrad
+        # (2 stages -> 3), R50's wide 3x3 wgrad on sm_90 (8 bytes at 255 registers; 256 rows -> 128)
+        ("fprop", 80, "bf16", "128x32x64_w4_s2_u2"): {"BLOCK_M": 64},
+        ("wgrad", 80, "fp16", "16x64x128_w2_s2_u2"): {"num_stages": 3},
+        ("wgrad", 90, "fp16", "64x64x256_w4_s2"): {"BLOCK_K": 128},
     },
     (3, 8): {
         # defaults: R50's 3x3 dgrads (8 bytes in 3 or 4 stages; 64-deep steps -> 32), R164 layer1.0's
