@@ -215,3 +215,10 @@ def test_kernels_built_compiled_before_main_warn_and_say_what_ran():
     assert "warning: fused_preact's Triton kernels were built compiled" in p.stderr, p.stderr
     assert "note: these are CPU timings (the fused build ran reference)" in p.stdout, p.stdout
     assert "in Triton's interpreter" not in p.stdout
+
+
+def test_no_progress_bar_between_log_lines_when_output_is_not_a_terminal(capsys):
+    """Piped or logged output (not a terminal) gets plain lines: no tqdm bar interleaved with them."""
+    assert main(FAST + ["--steps", "2", "--batch-size", "4"]) == 0
+    captured = capsys.readouterr()
+    assert "step/s" not in captured.err and "it/s" not in captured.err and "training:" not in captured.err

@@ -293,6 +293,8 @@ def run(args: argparse.Namespace) -> dict:
         from tqdm import tqdm
     except ImportError:  # progress bar is optional
         tqdm = None
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):  # a log file or pipe: plain lines, no bar between them
+        tqdm = None
 
     device = torch.device(args.device)
     torch.backends.cudnn.allow_tf32 = False
