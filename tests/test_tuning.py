@@ -164,6 +164,8 @@ def test_memory_is_bounded_and_evicted_entries_come_back_from_disk(tmp_path, mon
         cache.put(f"k{i}", {"i": i})
     assert len(cache.entries) == 3 and list(cache.entries) == ["k7", "k8", "k9"]
     assert cache.get("k0") == {"i": 0} and len(cache.entries) == 3
+    (tmp_path / "tune.json").write_text(json.dumps({f"old{i}": {"i": i} for i in range(5)}))
+    assert len(_tuning.TuneCache(str(tmp_path / "tune")).entries) == 3  # folder + legacy file, still bounded
     assert len(_tuning.TuneCache(None).entries) == 0
 
 

@@ -169,20 +169,32 @@ def _resolve(module: str, qualname: str, cache_key: str):
     return obj
 
 
+def _task(job: StaticJob, spec: _Spec, arch: int, **extra) -> dict:
+    """What a worker process needs to compile ``job``'s specialization ``spec`` for sm_``arch``."""
+    return {"module": job.fn.module, "qualname": job.fn.fn.__qualname__, "fn_key": job.fn.cache_key,
+            "signature": spec.signature, "constexprs": spec.constexprs, "attrs": spec.attrs,
+            "options": spec.options, "arch": arch, **extra}
+
+
+def _compile(task: dict):
+    """``triton.compile`` of a :func:`_task` (which also stores the binary in Triton's on-disk cache)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _resolve(task["module"], task["qualname"], task["fn_key"])
+    src = ASTSource(fn, task["signature"], task["constexprs"], task["attrs"])
+    return triton.compile(src, target=GPUTarget("cuda", task["arch"], 32), options=task["options"])
+
+
 def _compile_task(task: dict) -> dict:
     """Compile one specialization (in a worker process) and read its cubin. Returns the metrics of
     its single function, ``shared_bytes`` including Triton's dynamic shared memory, ``mma_dots``,
     ``mma_replication`` and ``mma_dots_unparsed`` (:func:`~tools.static_report.utilization.dot_replication`
     of its TTGIR), ``compile_s``; or ``{"error": …}``."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     t0 = time.perf_counter()
     try:
-        fn = _resolve(task["module"], task["qualname"], task["fn_key"])
-        src = ASTSource(fn, task["signature"], task["constexprs"], task["attrs"])
-        k = triton.compile(src, target=GPUTarget("cuda", task["arch"], 32), options=task["options"])
+        k = _compile(task)
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "k.cubin")
             Path(path).write_bytes(k.asm["cubin"])
@@ -198,8 +210,9 @@ def _compile_task(task: dict) -> dict:
     return m
 
 
-def _run_tasks(tasks: list[dict], processes: int, log: Callable[[str], None]) -> list[dict]:
-    """Run ``_compile_task`` over ``tasks`` in at most ``processes`` spawned processes, in order of
+def _run_tasks(tasks: list[dict], processes: int, log: Callable[[str], None],
+               work: Callable[[dict], Any] = _compile_task) -> list:
+    """Run ``work`` (default :func:`_compile_task`) over ``tasks`` in at most ``processes`` spawned processes, in order of
     submission; returns results in task order. Fewer than :data:`_POOL_MIN` tasks run inline: a
     spawned worker first imports torch and triton (5-10 s on a busy 2-core machine), more than a
     few compilations (1-3 s each) save."""
@@ -208,14 +221,14 @@ def _run_tasks(tasks: list[dict], processes: int, log: Callable[[str], None]) ->
     step = max(1, len(tasks) // 10)
     if processes <= 1 or len(tasks) < _POOL_MIN:
         for i, t in enumerate(tasks):
-            results[i] = _compile_task(t)
+            results[i] = work(t)
             if (i + 1) % step == 0:
                 log(f"  compiled {i + 1}/{len(tasks)} ({time.perf_counter() - t0:.0f} s)")
         return results  # type: ignore[return-value]
     import multiprocessing as mp
 
     with ProcessPoolExecutor(max_workers=processes, mp_context=mp.get_context("spawn")) as pool:
-        futures = {pool.submit(_compile_task, t): i for i, t in enumerate(tasks)}
+        futures = {pool.submit(work, t): i for i, t in enumerate(tasks)}
         for n, fut in enumerate(as_completed(futures), 1):
             results[futures[fut]] = fut.result()
             if n % step == 0:
@@ -237,14 +250,8 @@ def distinct_specs(jobs: Sequence[StaticJob], arch: int) -> dict[str, tuple[Stat
 
 def _warm_task(task: dict) -> Optional[str]:
     """Compile one specialization into Triton's on-disk cache (a worker process); None or the error."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     try:
-        fn = _resolve(task["module"], task["qualname"], task["fn_key"])
-        src = ASTSource(fn, task["signature"], task["constexprs"], task["attrs"])
-        triton.compile(src, target=GPUTarget("cuda", task["arch"], 32), options=task["options"])
+        _compile(task)
     except Exception as e:  # reported by the caller
         return f"{task['qualname']}: {type(e).__name__}: {str(e)[:300]}"
     return None
@@ -260,21 +267,11 @@ def precompile(jobs: Sequence[StaticJob], arch: int, processes: int,
     Returns:
         ``{"compilations": n, "processes": p, "seconds": s, "errors": [...]}``.
     """
-    import multiprocessing as mp
-
     t0 = time.perf_counter()
-    specs = distinct_specs(jobs, arch)
-    tasks = [{"module": job.fn.module, "qualname": job.fn.fn.__qualname__, "fn_key": job.fn.cache_key,
-              "signature": spec.signature, "constexprs": spec.constexprs, "attrs": spec.attrs,
-              "options": spec.options, "arch": arch} for job, spec in specs.values()]
+    tasks = [_task(job, spec, arch) for job, spec in distinct_specs(jobs, arch).values()]
     log(f"precompile: {len(jobs)} launches → {len(tasks)} distinct compilations for sm_{arch}, "
         f"{processes} process(es)")
-    errors: list[str] = []
-    if processes <= 1 or len(tasks) < _POOL_MIN:
-        errors = [e for e in map(_warm_task, tasks) if e]
-    else:
-        with ProcessPoolExecutor(max_workers=processes, mp_context=mp.get_context("spawn")) as pool:
-            errors = [e for e in pool.map(_warm_task, tasks, chunksize=1) if e]
+    errors = [e for e in _run_tasks(tasks, processes, log, _warm_task) if e]
     return {"compilations": len(tasks), "processes": processes, "seconds": round(time.perf_counter() - t0, 1),
             "errors": errors}
 
@@ -345,9 +342,7 @@ def triton_entries(jobs: Sequence[StaticJob], archs: Sequence[int], processes: i
         if sass_dir is not None:
             stem = re.sub(r"[^\w.-]+", "_", f"{job.kernel}-{job.dtype}-{job.config}-{job.variant}-sm{g['arch']}-{key[:8]}")
             sass_path = str(sass_dir / f"{stem}.sass")
-        todo.append((key, {"module": job.fn.module, "qualname": job.fn.fn.__qualname__, "fn_key": job.fn.cache_key,
-                           "signature": spec.signature, "constexprs": spec.constexprs, "attrs": spec.attrs,
-                           "options": spec.options, "arch": g["arch"], "sass_path": sass_path}))
+        todo.append((key, _task(job, spec, g["arch"], sass_path=sass_path)))
     # Convolutions first: they take longest, so the two processes finish together.
     todo.sort(key=lambda kt: not groups[kt[0]]["job"].conv)
     procs = processes if len(todo) >= _POOL_MIN else 1

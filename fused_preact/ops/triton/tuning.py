@@ -118,6 +118,8 @@ class TuneCache:
             record = self._read(e.path, None)
             if record is not None:
                 self.entries[record[0]] = record[1]
+        while len(self.entries) > MAX_ENTRIES:  # the legacy file's entries are the oldest
+            self.entries.popitem(last=False)
 
     def _read(self, file: str, key: Optional[str]) -> Optional[tuple[str, dict]]:
         """(key, value) of an entry file (its key must be ``key`` when given); None if it is missing,
