@@ -31,7 +31,8 @@ from fused_preact.ops import triton_compat
 from fused_preact.ops._common import LRUDict, triton_mode
 from fused_preact.ops.cuda import ext as cuda_ext
 from fused_preact.ops.cuda.plan import CudaPlan
-from fused_preact.ops.recompute.plan import RecomputePlan
+from fused_preact.ops.index_range import chain_margin, range_reasons
+from fused_preact.ops.recompute.plan import RecomputePlan, uses_triton
 from fused_preact.ops.spec import (
     BNMode,
     ChainForward,
@@ -123,6 +124,14 @@ class Backend:
         return None
 
 
+def _range_reasons(name: str, x: torch.Tensor, spec: Optional[ChainSpec]) -> list[str]:
+    """The Triton kernels' index-range refusals (:func:`fused_preact.ops.index_range.range_reasons`) for
+    backend ``name`` running ``spec`` on x; none without a spec or a 4-D x."""
+    if spec is None or x.dim() != 4 or x.numel() == 0:
+        return []
+    return [f"{name}: {r}" for r in range_reasons(chain_shapes(spec, x.shape), x.stride(), chain_margin(spec))]
+
+
 class ReferenceBackend(Backend):
     """Plain PyTorch (``F.batch_norm`` → ``F.relu`` → ``F.conv2d``): the source of truth."""
 
@@ -180,7 +189,7 @@ class TritonBackend(Backend):
             reasons.append("triton: CUDA tensor but the kernels were built for Triton's interpreter")
         elif x.device.type not in ("cpu", "cuda"):
             reasons.append(f"triton: device type {x.device.type!r} not supported")
-        return reasons
+        return reasons + _range_reasons(cls.name, x, spec)
 
     @classmethod
     def make_plan(cls, spec, modes, x, cdtype, in_stats, out_stats, residual_dtype):
@@ -244,6 +253,8 @@ class RecomputeBackend(Backend):
         reasons = super().not_supported_reasons(x, spec, dtype)
         if x.device.type not in ("cpu", "cuda"):
             reasons.append(f"recompute: device type {x.device.type!r} not supported")
+        elif uses_triton(x.device):
+            reasons += _range_reasons(cls.name, x, spec)
         return reasons
 
     @classmethod

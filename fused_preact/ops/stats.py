@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from fused_preact.ops._common import nhwc_strides, triton
+from fused_preact.ops.index_range import needs_idx64, range_reasons
 from fused_preact.ops.spec import BATCH, BNMode
 from fused_preact.ops.triton import launch
-from fused_preact.ops.triton.configs import INT32_MAX, max_offset
 
 __all__ = ["batch_stats", "batch_stats_reference"]
 
@@ -24,9 +24,7 @@ def _batch_stats_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = max(16, min(256, triton.next_power_of_2(M)))
     parts = triton.cdiv(M, rows)
     part, pack = torch.empty(parts * 2 * C + 5 * C, device=x.device, dtype=torch.float32).split([parts * 2 * C, 5 * C])
-    strides = nhwc_strides(x)
-    launch.stats_partial(x=x, x_strides=strides, part=part, shape=x.shape, rows=rows,
-                         idx64=max_offset(x.shape, strides) >= INT32_MAX)
+    launch.stats_partial(x=x, x_strides=nhwc_strides(x), part=part, shape=x.shape, rows=rows, idx64=needs_idx64(x))
     launch.finalize(pack=pack, C=C, mode=BNMode(BATCH, False), part=part, num_parts=parts, count=M, rows=rows)
     return pack[:C], pack[C:2 * C]
 
@@ -47,6 +45,10 @@ def batch_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x: (N, C, H, W) float32/float16/bfloat16, any memory format (read through its strides), on
             CUDA or, with Triton's interpreter active, on CPU. Must have N·H·W ≥ 1.
 
+    Raises:
+        ValueError: x outside the kernels' index range (:func:`fused_preact.ops.index_range.range_reasons`:
+            N·H·W near 2³¹, or one image spanning 2³¹ elements).
+
     Returns:
         ``(mean, var)``: two (C,) float32 tensors; ``var`` is biased (divides by N·H·W), as
         ``nn.BatchNorm2d`` normalizes with. Not differentiable (``x`` is read detached).
@@ -54,4 +56,7 @@ def batch_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Source: the batch statistics of ``torch.nn.functional.batch_norm`` in training mode; Chan, Golub &
     LeVeque's pairwise update for the per-tile combination.
     """
+    reasons = range_reasons([tuple(x.shape)], x.stride())
+    if reasons:
+        raise ValueError("batch_stats: " + "; ".join(reasons))
     return _batch_stats_triton(x.detach())

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from fused_preact.ops._common import interpreting, triton, triton_mode
+from fused_preact.ops.index_range import INT32_MAX, chain_margin, max_offset, needs_idx64, range_reasons, within_reach
 from fused_preact.ops.recompute import launch as RL
 from fused_preact.ops.recompute import torch_ops as RT
 from fused_preact.ops.spec import (
@@ -44,7 +45,7 @@ from fused_preact.ops.spec import (
     chain_shapes,
 )
 from fused_preact.ops.triton import launch as TL
-from fused_preact.ops.triton.configs import INT32_MAX, INTERP_SUM_ROWS, contig_nhwc, max_offset, nhwc_strides_of, p2
+from fused_preact.ops.triton.configs import INTERP_SUM_ROWS, contig_nhwc, nhwc_strides_of, p2
 
 __all__ = ["RecomputePlan", "uses_triton"]
 
@@ -113,8 +114,14 @@ class RecomputePlan:
         self.conv_args = [(list(g.stride), list(g.padding), list(g.dilation), False, _NO_PAD, g.groups)
                           for g in spec.convs]
         self.bias_sizes = [[g.out_channels] if g.bias else None for g in spec.convs]
+        # the Triton steps' index range (see fused_preact.ops.index_range): x with its strides, and
+        # dense tensors of every shape (a per-call output gradient adds its own, at the call)
+        self.margin = chain_margin(spec)
+        reasons = range_reasons(self.shapes, tuple(x_strides), self.margin) if self.triton else []
+        if reasons:
+            raise ValueError("RecomputePlan: " + "; ".join(reasons))
         big = max_offset(tuple(x_shape), nhwc_strides_of(tuple(x_strides)))
-        self.idx64 = max([big] + [s[0] * s[1] * s[2] * s[3] for s in self.shapes[1:]]) >= INT32_MAX
+        self.idx64 = max([big] + [max_offset(s, contig_nhwc(s)) for s in self.shapes]) >= INT32_MAX
         # fp32 per-call buffer, per unit: pack (5, C), partial sums (rows, 2, C), coefficients (2, C)
         self.stats_rows, self.sum_rows, self.aux_sizes = [], [], []
         for i, mode in enumerate(modes):
@@ -192,8 +199,12 @@ class RecomputePlan:
         n = len(self.spec.convs)
         grads = ChainGrads(None, [None] * n, [None] * n, *self._bn_grads(needs.bn_dtypes, dy.device))
         g_out, scratch = dy, []
+        if self.triton:  # the identity shortcut's gradient is read by Triton kernels, with dy's strides
+            dy = within_reach(dy, self.margin, self.channels_last)
+        idx64 = self.idx64 or (self.triton and needs_idx64(dy))
         for i in reversed(range(n)):
-            g_out = self._backward_unit(i, g_out, dy, dy_proj, saved, weights, proj_weight, needs, grads, scratch)
+            g_out = self._backward_unit(i, g_out, dy, dy_proj, saved, weights, proj_weight, needs, grads, scratch,
+                                        idx64)
         grads.dx = g_out if needs.dx else None
         return grads
 
@@ -217,7 +228,8 @@ class RecomputePlan:
         return dg, db
 
     def _backward_unit(self, i: int, g_out: torch.Tensor, dy: torch.Tensor, dy_proj, saved: SavedChain, weights,
-                       proj_weight, needs: GradNeeds, grads: ChainGrads, scratch: list) -> Optional[torch.Tensor]:
+                       proj_weight, needs: GradNeeds, grads: ChainGrads, scratch: list,
+                       idx64: bool) -> Optional[torch.Tensor]:
         """Unit ``i``'s backward: the gradients of its conv (and of the projection for unit 0) and BN
         parameters into ``grads``; returns the gradient of the unit's input (None when not wanted).
         ``scratch`` holds the call's dz buffer once a unit has needed one (shared by the units)."""
@@ -226,7 +238,7 @@ class RecomputePlan:
         if self.triton:
             pack, psum, coef = saved.aux[3 * i:3 * i + 3]
             a = torch.empty_like(xin, dtype=cd)
-            RL.preact(x=xin, pack=pack, a=a, idx64=self.idx64)
+            RL.preact(x=xin, pack=pack, a=a, idx64=idx64)
         else:
             pack = saved.aux[i]
             a = RT.preact(xin, pack, cd)
@@ -282,7 +294,7 @@ class RecomputePlan:
                 out = scratch[0]
             out_strides = contig_nhwc(shape)
         parts = RL.mask_sums(da=da, x=xin, pack=pack, out=out, out_strides=out_strides, psum=psum,
-                             rows=self.sum_rows[i], write_dx=write_dx, res=res if write_dx else None, idx64=self.idx64)
+                             rows=self.sum_rows[i], write_dx=write_dx, res=res if write_dx else None, idx64=idx64)
         if need_sums:
             RL.fold(psum=psum, num_parts=parts, C=C, pack=pack, sum_mode=2 if kind == EXTERNAL else 1, coef=coef,
                     dbeta=dbeta, dgamma=dgamma, inv_count=1.0 / M)
@@ -293,5 +305,5 @@ class RecomputePlan:
         target = da if in_place else torch.empty_like(xin)
         TL.dx(geom=spec.convs[i], shape=shape, x=xin, x_strides=_nhwc(xin), pack=pack, coef=coef, dz=out, out=target,
               out_strides=_nhwc(target), res=res, res_strides=_nhwc(res) if res is not None else (0, 0, 0, 0),
-              idx64=self.idx64)
+              idx64=idx64)
         return target

@@ -21,11 +21,10 @@ from fused_preact.ops.triton_compat import tile_override
 
 __all__ = ["GemmConfig", "UnitPlan", "fprop_config", "fprop_unroll", "wgrad_unroll", "quad_channels", "dgrad_slots",
            "dgrad_config", "wgrad_config", "candidates", "wgrad_split", "split_for", "arch_of", "p2", "contig_nhwc",
-           "out_strides", "nhwc_strides_of", "is_channels_last", "max_offset", "INTERP_SUM_ROWS", "FOLD_BLOCK", "INT32_MAX",
+           "out_strides", "nhwc_strides_of", "is_channels_last", "INTERP_SUM_ROWS", "FOLD_BLOCK",
            "one_step_tile", "LOOP_FREE", "halo_fprop", "halo_config", "halo_sync_config", "halo_rows", "halo_geometry",
            "HALO_CHANNELS", "HALO_MAX_STAGED", "for_this_triton"]
 
-INT32_MAX = 2**31 - 1
 #: Rows per statistics tile under the interpreter: its sums are sequential in fp32, so tiles stay short.
 INTERP_SUM_ROWS = 4096
 #: Weight-gradient entries per program of the split-K fold.
@@ -719,12 +718,6 @@ def is_channels_last(shape, strides) -> bool:
     rule of :func:`fused_preact.ops._common.wants_channels_last`)."""
     t = torch.empty_strided(shape, strides, device="meta")
     return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
-
-
-def max_offset(shape, strides) -> int:
-    """Largest element offset of a logical (N, C, H, W) tensor with (n, h, w, c) ``strides``."""
-    N, C, H, W = shape
-    return sum((s - 1) * abs(st) for s, st in zip((N, H, W, C), strides))
 
 
 # ------------------------------------------------------------------------------------ per unit

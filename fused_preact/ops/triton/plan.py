@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from fused_preact.ops._common import interpreting, nhwc_strides, triton
+from fused_preact.ops.index_range import INT32_MAX, chain_margin, max_offset, needs_idx64, range_reasons, within_reach
 from fused_preact.ops.spec import (
     BATCH,
     EXTERNAL,
@@ -37,7 +38,6 @@ from fused_preact.ops.spec import (
 from fused_preact.ops.triton import kernels_conv as CK
 from fused_preact.ops.triton import launch
 from fused_preact.ops.triton.configs import (
-    INT32_MAX,
     INTERP_SUM_ROWS,
     GemmConfig,
     UnitPlan,
@@ -53,7 +53,6 @@ from fused_preact.ops.triton.configs import (
     halo_wgrad_programs,
     halo_wgrad_rows,
     is_channels_last,
-    max_offset,
     nhwc_strides_of,
     out_strides,
     p2,
@@ -117,6 +116,10 @@ class TritonPlan:
             shapes.append((N, g.out_channels, *g.out_hw(H, W)))
         self.out_shape = shapes[-1]
         self.shapes = shapes  # every unit's input shape, then the output's
+        self.margin = chain_margin(spec)
+        reasons = range_reasons(shapes, self.x_strides, self.margin)
+        if reasons:
+            raise ValueError("TritonPlan: " + "; ".join(reasons))
         self.units: list[UnitPlan] = []
         for i, g in enumerate(spec.convs):
             last = i == n - 1
@@ -144,8 +147,13 @@ class TritonPlan:
             self.units.append(unit)
         self._plan_proj(split)
         self._plan_buffers()
-        big = max_offset(self.x_shape, nhwc_strides_of(self.x_strides))
-        self.idx64 = max([big] + [max_offset(s, contig_nhwc(s)) + 1 for s in shapes[1:]]) >= INT32_MAX
+        # 64-bit image offsets where any tensor of the plan reaches 2**31 − 1: x with its strides, and
+        # the NHWC-contiguous outputs, scratch and gradients of every shape (a per-call residual or
+        # output gradient with its own strides adds its own, at the call)
+        tensors = [(self.x_shape, nhwc_strides_of(self.x_strides))] + [(s, contig_nhwc(s)) for s in shapes]
+        if spec.proj is not None:
+            tensors.append((self.proj_shape, contig_nhwc(self.proj_shape)))
+        self.idx64 = max(max_offset(s, st) for s, st in tensors) >= INT32_MAX
 
     def tile_args(self, i: int, g: ConvGeom, kind: str = "wgrad") -> dict:
         """The tile rules' arguments (:func:`wgrad_config`, :func:`fprop_config`, ``candidates``) for
@@ -262,6 +270,9 @@ class TritonPlan:
     def forward(self, x: torch.Tensor, t: ChainTensors) -> ChainForward:
         """Run the chain on ``x`` (the input this plan was built for) with the per-call tensors ``t``."""
         dev = x.device
+        if t.residual is not None:
+            t = dataclasses.replace(t, residual=within_reach(t.residual, self.margin, self.channels_last))
+        idx64 = self.idx64 or needs_idx64(t.residual)
         base = torch.empty(sum(self.aux_sizes), device=dev, dtype=torch.float32)
         aux = list(base.split(self.aux_sizes))
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
@@ -274,14 +285,15 @@ class TritonPlan:
         for i, u in enumerate(self.units):
             if i == 0 and u.mode.kind == BATCH and not self.in_stats:
                 launch.stats_partial(x=x, x_strides=u.in_strides, part=self.aux_view(aux, "part0"),
-                                     shape=u.in_shape, rows=self._stats_rows(), idx64=self.idx64)
+                                     shape=u.in_shape, rows=self._stats_rows(), idx64=idx64)
             launch.finalize(**self._finalize_args(i, u, t, aux))
-            launch.fprop(u, **self._fprop_args(i, u, inputs[i], out if i == n - 1 else inputs[i + 1], t, aux, x))
+            launch.fprop(u, **self._fprop_args(i, u, inputs[i], out if i == n - 1 else inputs[i + 1], t, aux, x,
+                                                idx64))
         if proj_out is not None:
             pu = self.proj_unit
             quad = quad_channels(x.dtype, self.cdtype, x.shape[1])
             launch.fprop(pu, x=x, w=mma_weight(t.proj_weight, self.cdtype, quad), pack=self.aux_view(aux, "pack0"), bias=None,
-                         y=proj_out, part=None, cdtype=self.cdtype, idx64=self.idx64, quad=quad, name="fprop_proj")
+                         y=proj_out, part=None, cdtype=self.cdtype, idx64=idx64, quad=quad, name="fprop_proj")
         stats = None
         if self.out_stats:
             stats = StatsHandoff(self.aux_view(aux, "outpart"), *self.handoff_geometry())
@@ -303,7 +315,7 @@ class TritonPlan:
             args.update(mean_src=t.ext_mean, var_src=t.ext_invstd)
         return args
 
-    def _fprop_args(self, i: int, u: UnitPlan, xin, dst, t: ChainTensors, aux: list, x0) -> dict:
+    def _fprop_args(self, i: int, u: UnitPlan, xin, dst, t: ChainTensors, aux: list, x0, idx64: bool) -> dict:
         spec = self.spec
         last = i == len(self.units) - 1
         part = None
@@ -313,7 +325,7 @@ class TritonPlan:
             part = self.aux_view(aux, f"part{i + 1}")
         quad = quad_channels(xin.dtype, self.cdtype, u.in_shape[1] // u.geom.groups) and not u.fcfg.halo
         args = dict(x=xin, w=mma_weight(t.weights[i], self.cdtype, quad), pack=self.aux_view(aux, f"pack{i}"), bias=t.biases[i],
-                    y=dst, part=part, cdtype=self.cdtype, idx64=self.idx64, x0_shape=self.x_shape, quad=quad)
+                    y=dst, part=part, cdtype=self.cdtype, idx64=idx64, x0_shape=self.x_shape, quad=quad)
         proj = last and spec.proj is not None and spec.proj_out == "add"
         res = spec.residual if last else "none"
         if proj or res == "input":
@@ -333,6 +345,10 @@ class TritonPlan:
         for ``proj_out="return"``), the forward's ``saved`` tensors and the convs' weights."""
         dev = dy.device
         n = len(self.units)
+        # a gradient that is a view with strides wider than its shape (torch.cat's backward hands out
+        # slices): copied where the kernels cannot address it, 64-bit offsets where its batch needs them
+        dy, dy_proj = (within_reach(v, self.margin, self.channels_last) for v in (dy, dy_proj))
+        idx64 = self.idx64 or needs_idx64(dy, dy_proj)
         scratch = torch.empty(sum(self.scratch_sizes), device=dev, dtype=self.cdtype).split(self.scratch_sizes)
         wparts = None
         if any(self.wpart_sizes):
@@ -356,7 +372,7 @@ class TritonPlan:
                 target = grads.dx
                 target_strides = nhwc_strides(target) if target is not None else None
             self._backward_unit(i, u, grad_in, grad_in_strides, dy, dy_proj, saved, scratch, wparts, weights,
-                                proj_weight, grads, target, target_strides)
+                                proj_weight, grads, target, target_strides, idx64)
             grad_in, grad_in_strides = target, target_strides
         return grads
 
@@ -381,7 +397,7 @@ class TritonPlan:
         return dg, db
 
     def _backward_unit(self, i: int, u: UnitPlan, g_out, g_strides, dy, dy_proj, saved: SavedChain, scratch,
-                       wparts, weights, proj_weight, grads: ChainGrads, target, target_strides) -> None:
+                       wparts, weights, proj_weight, grads: ChainGrads, target, target_strides, idx64: bool) -> None:
         spec, g = self.spec, u.geom
         C = u.in_shape[1]
         xin, w = saved.inputs[i], mma_weight(weights[i], self.cdtype)
@@ -392,7 +408,7 @@ class TritonPlan:
         # Σdz, Σdz·x̂ feed dx (batch statistics), the BN parameters' gradients, and the gradients of
         # externally given statistics.
         need_sums = has_gamma or kind == EXTERNAL or (kind == BATCH and not skip_dx)
-        cd = dict(cdtype=self.cdtype, idx64=self.idx64)
+        cd = dict(cdtype=self.cdtype, idx64=idx64)
         proj = dict()
         if i == 0 and spec.proj is not None:
             dy2 = dy if spec.proj_out == "add" else dy_proj
@@ -430,7 +446,7 @@ class TritonPlan:
         launch.dx(geom=g, shape=u.in_shape, x=xin, x_strides=u.in_strides, pack=pack, coef=coef,
                   dz=scratch[0] if dx_pass else None, out=target if dx_pass else None,
                   out_strides=target_strides if dx_pass else (0, 0, 0, 0),
-                  **(res if (res_grad and dx_pass) else {}), idx64=self.idx64, split1=u.split,
+                  **(res if (res_grad and dx_pass) else {}), idx64=idx64, split1=u.split,
                   fold1=(wparts[i], dw) if (dw is not None and u.split > 1) else None,
                   fold2=(wparts[-1], dpw) if (dpw is not None and self.proj_split > 1) else None,
                   k2=spec.proj.out_channels if proj else 1, split2=self.proj_split)
