@@ -30,12 +30,15 @@ from fused_preact.ops.backends import (
     RecomputeBackend,
     ReferenceBackend,
     TritonBackend,
+    register,
     select_backend,
+    static_order,
+    unregister,
 )
 
-__all__ = ["Backend", "BackendChoice", "BACKENDS", "PRIORITY", "TritonBackend", "CudaBackend", "RecomputeBackend",
-           "ReferenceBackend", "backends", "select_backend", "triton_mode", "dispatch_report", "DispatchReport",
-           "set_memory_policy"]
+__all__ = ["Backend", "BackendChoice", "BACKENDS", "PRIORITY", "register", "unregister", "static_order", "TritonBackend",
+           "CudaBackend", "RecomputeBackend", "ReferenceBackend", "backends", "select_backend", "triton_mode",
+           "dispatch_report", "DispatchReport", "set_memory_policy"]
 
 _ALL_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -47,7 +50,8 @@ def backends(devices: Optional[Sequence[str]] = None) -> dict[str, dict[str, obj
         devices: device strings to probe (default: ``"cpu"`` and, if available, ``"cuda"``).
 
     Returns:
-        ``{backend: {"priority": int or None, "dtypes": [...], "min_compute_capability": ...,
+        ``{backend: {"priority": int or None, "dtypes": [...], "devices": [...] or None (any), "lean": bool,
+        "traceable": bool, "min_compute_capability": ...,
         "triton_mode": ..., "TRITON_INTERPRET": ..., "<device>/<dtype>": "ok" or the refusal reasons}}``.
         Probes are stride-0 (N=1, C=8, H=W=1) stand-ins; nothing is launched or allocated beyond one
         element.
@@ -57,8 +61,11 @@ def backends(devices: Optional[Sequence[str]] = None) -> dict[str, dict[str, obj
     report: dict[str, dict[str, object]] = {}
     for name, backend in BACKENDS.items():
         entry: dict[str, object] = {
-            "priority": PRIORITY.index(name) if name in PRIORITY else None,
+            "priority": static_order().index(name) if name in static_order() else None,
             "dtypes": [str(d) for d in backend.dtypes],
+            "devices": list(backend.devices) if backend.devices is not None else None,
+            "lean": backend.lean,
+            "traceable": backend.traceable,
             "min_compute_capability": backend.min_compute_capability,
             "triton_mode": backend.runtime_mode(),
             "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),

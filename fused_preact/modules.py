@@ -37,7 +37,7 @@ from fused_preact.ops import (
     select_backend,
 )
 from fused_preact.ops.auto import check_memory
-from fused_preact.ops.backends import LastCall, check_backend_name
+from fused_preact.ops.backends import LastCall, TritonBackend, check_backend_name, eager_fallback
 from fused_preact.ops.chain import ChainResult
 from fused_preact.ops.spec import check_running_buffers, functorch_reasons, projection_problem, trace_reasons
 from fused_preact.ops.sync_stats import sync_bn_statistics, sync_enabled
@@ -236,11 +236,10 @@ def record_eager(owner: nn.Module, why: str, x: torch.Tensor) -> None:
     forced (``RuntimeError``: that backend cannot serve the module), else record the reference path
     and the reason (``last_backend``, ``fallback_reason``, a warning on CUDA; the last call for
     :func:`fused_preact.dispatch_report`)."""
-    if check_backend_name(owner.backend) not in ("auto", "reference"):
-        raise RuntimeError(f"fused_preact: backend={owner.backend!r} cannot serve this module: {why}")
-    _record(owner, "reference", why, x, stacklevel=4)
+    choice = eager_fallback(owner.backend, why, "module")
+    _record(owner, choice.name, why, x, stacklevel=4)
     if not torch.compiler.is_compiling():
-        owner._plans.last = LastCall(None, owner.backend, getattr(owner, "memory", "fastest"), "reference", why)
+        owner._plans.last = LastCall(None, owner.backend, getattr(owner, "memory", "fastest"), choice.name, why)
 
 
 def _cached_parametrizations(modules: list) -> contextlib.AbstractContextManager:
@@ -308,7 +307,9 @@ def _synchronized_units(owner, x, units, proj, proj_out, residual):
                 if bn.momentum is None:
                     factor = 1.0 / float(bn.num_batches_tracked)
             rm, rv = (bn.running_mean, bn.running_var) if mode.update else (None, None)
-            fused = owner.backend != "reference" and not BACKENDS["triton"].not_supported_reasons(h)
+            # the local statistics by the Triton statistics kernel where a fused backend may run
+            fused = (owner.backend == "auto" or BACKENDS[owner.backend].fused) \
+                and not TritonBackend.not_supported_reasons(h)
             mean, invstd = sync_bn_statistics(h, rm, rv, factor, bn.eps, bn.process_group, fused=fused)
             mode = BNMode(EXTERNAL, _affine(bn))
             t = _tensors([(bn, conv)], unit_proj, None, (mode,))

@@ -8,11 +8,14 @@ import time
 import torch
 from conftest import DEVICE
 
+from fused_preact.ops.backends import BACKENDS
 from fused_preact.ops.validate import EAGER_FLOOR, EAGER_RATIO, ErrorPool, rule_violations
 
-#: The backends that replace eager BN → ReLU → Conv with their own kernels or recomputation: every
-#: op, module and model test against eager runs each of them.
-FUSED_BACKENDS = ("triton", "recompute")
+#: The backends that replace eager BN → ReLU → Conv with their own kernels or recomputation and serve
+#: this session's device (read from their declared capabilities; a registered backend is enrolled
+#: too): every op, module and model test against eager runs each of them.
+FUSED_BACKENDS = tuple(n for n, b in BACKENDS.items()
+                       if b.fused and not b.not_supported_reasons(torch.empty(1, device=DEVICE).expand(1, 8, 1, 1)))
 
 #: Max-norm relative tolerance per compute dtype: ``max|got − ref| ≤ tol · max(|ref|, floor)``.
 #: fp32 against a float64 reference; fp16/bf16 against the float64 reference of the same

@@ -362,6 +362,7 @@ def test_backend_is_chosen_for_the_autocast_dtype(monkeypatch):
 
     monkeypatch.setattr(_cuda, "available", lambda: True)
     monkeypatch.setattr(_cuda, "not_supported_reasons", lambda *a, **k: [])
+    monkeypatch.setattr(CudaBackend, "devices", None)  # as if it served this test's CPU tensors
     m = FusedBNReLUConv2d(8, 8, 3, padding=1, backend="cuda")
     x = torch.randn(2, 8, 5, 5)
     with pytest.raises(RuntimeError, match=r"dtype torch.float32 not in"):

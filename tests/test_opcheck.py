@@ -35,7 +35,7 @@ def _op_args(module, units, proj, residual, channels_last: bool, train: bool):
         floats += [float(t.momenta[i] or 0.0), float(t.eps[i])]
     tensors += [t.proj_weight, None, None, None]
     tensors = [v if v is not None else x.new_empty(0) for v in tensors]
-    return x, tensors, floats, encode_key(spec, modes, x.dtype, None)
+    return x, tensors, floats, "triton|" + encode_key(spec, modes, x.dtype, None)
 
 
 def _block(train):

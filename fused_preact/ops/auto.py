@@ -65,14 +65,15 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from fused_preact.ops import backends as _backends
 from fused_preact.ops._common import LRUDict
-from fused_preact.ops.backends import BACKENDS, PRIORITY, BackendChoice, ReferenceBackend, TritonBackend
+from fused_preact.ops.backends import BACKENDS, BackendChoice, ReferenceBackend, static_order
 from fused_preact.ops.spec import BATCH, BNMode, ChainSpec, ChainTensors
 from fused_preact.ops.trial import Candidate, Timer, cuda_timer, host_timer, run_trials
 from fused_preact.ops.triton.tuning import TuneCache, default_cache_path
 
 __all__ = ["Decision", "Candidate", "MeasureSettings", "SETTINGS", "measuring", "decide", "traceable",
-           "MEMORY_POLICIES", "LEAN_PRIORITY", "TRACEABLE", "check_memory", "decision_cache", "environment",
+           "MEMORY_POLICIES", "check_memory", "decision_cache", "environment",
            "signature", "forget"]
 
 logger = logging.getLogger("fused_preact")
@@ -82,10 +83,6 @@ ENV_CACHE = "FUSED_PREACT_DISPATCH_CACHE"
 ENV_CANDIDATES = "FUSED_PREACT_DISPATCH_CANDIDATES"
 #: ``memory=`` policies: the fastest valid candidate, or the fastest that keeps only the units' inputs.
 MEMORY_POLICIES = ("fastest", "lean")
-#: The static order under ``memory="lean"`` (nothing measured): the lean backends first.
-LEAN_PRIORITY: tuple[str, ...] = ("triton", "recompute", "reference")
-#: Backends that run under ``torch.compile`` (the Triton kernels as custom ops, the reference as ATen).
-TRACEABLE = ("triton", "reference")
 
 
 @dataclasses.dataclass
@@ -342,7 +339,7 @@ def _restrict(static: BackendChoice, allowed: Optional[frozenset], memory: str, 
     if allowed is None or static.name in allowed:
         return static
     skipped: list[str] = []
-    for name in dict.fromkeys((*(LEAN_PRIORITY if memory == "lean" else PRIORITY), *BACKENDS)):
+    for name in dict.fromkeys((*static_order(memory), *BACKENDS)):
         if name in allowed:
             reasons = BACKENDS[name].not_supported_reasons(x, spec, cd)
             if not reasons:
@@ -361,17 +358,18 @@ def _candidates(x: torch.Tensor, spec: ChainSpec, cd: torch.dtype, allowed: Opti
         if allowed is not None and name not in allowed:
             continue
         reasons = cls.not_supported_reasons(x, spec, cd)
-        out.append(Candidate(name, lean=bool(getattr(cls, "lean", cls.fused)),
+        out.append(Candidate(name, lean=cls.lean,
                              refused="; ".join(reasons) if reasons else None))
     return out
 
 
 def _static(static: BackendChoice, memory: str, x: torch.Tensor, spec: ChainSpec, cd: torch.dtype) -> BackendChoice:
-    """The static choice under the memory policy: :data:`LEAN_PRIORITY` for ``"lean"``."""
+    """The static choice under the memory policy: :data:`~fused_preact.ops.backends.LEAN_PRIORITY` for
+    ``"lean"``."""
     if memory != "lean" or static.backend.fused:
         return static
     skipped: list[str] = []
-    for name in LEAN_PRIORITY:
+    for name in static_order("lean"):
         reasons = BACKENDS[name].not_supported_reasons(x, spec, cd)
         if not reasons:
             extra = () if BACKENDS[name].fused else ("memory='lean': no lean backend can serve this input",)
@@ -414,7 +412,7 @@ def _held(key, sig: str, x: torch.Tensor, eligible: set, disk: bool) -> Optional
                 d = dataclasses.replace(Decision.from_json(hit), source="disk cache")
             except (TypeError, ValueError, KeyError) as e:
                 logger.warning("fused_preact: ignoring an unreadable dispatch decision (%s)", e)
-    runs = eligible | {"reference"}  # the unfused path: what a restriction whose backends all failed runs
+    runs = eligible | {ReferenceBackend.name}  # the unfused path: what a restriction whose backends all failed runs
     return d if d is not None and d.winner in runs and d.winner_passed() else None
 
 
@@ -437,8 +435,8 @@ def _measure(static: BackendChoice, spec, x, t, modes, cd, out_stats, memory, si
             warnings.warn(f"fused_preact: backend {c.name!r} failed validation against float64 and is excluded from "
                           f"backend='auto' for this signature: {c.error}", RuntimeWarning, stacklevel=2)
     winner, note = _pick(cands, memory)
-    if winner is None and not any(c.name == "reference" for c in runnable):  # the allowed ones failed: kept,
-        return Decision(sig, "reference", "measured", memory, timed, cands,  # as any verdict of validation
+    if winner is None and not any(c.name == ReferenceBackend.name for c in runnable):  # the allowed ones failed: kept,
+        return Decision(sig, ReferenceBackend.name, "measured", memory, timed, cands,  # as any verdict of validation
                         f"{note} ({ENV_CANDIDATES} leaves no other): the unfused eager path runs"), None, True
     if winner is None:  # eager itself failed: nothing can be trusted, run the static choice and say so
         return Decision(sig, static.name, "static", memory, timed, cands, note), None, False
@@ -514,28 +512,30 @@ def decide(static: BackendChoice, key, spec: ChainSpec, x: torch.Tensor, t: Chai
 def traceable(choice: BackendChoice, spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BNMode, ...],
               cd: torch.dtype) -> tuple[BackendChoice, Optional[object]]:
     """Under ``torch.compile``, the choice to trace in place of an ``auto`` decision whose backend does
-    not run there (``recompute``, ``cuda``): the fastest valid traceable candidate of the decision
-    (:data:`TRACEABLE`), else triton where it serves and was not rejected, else the reference.
+    not run there (a backend without ``traceable``): the fastest valid traceable candidate of the
+    decision (:data:`~fused_preact.ops.backends.TRACEABLE`), else the first traceable fused backend of
+    the static order that serves and was not rejected, else the reference.
     Returns ``(choice, plan)`` (plan None for the reference); the choice's reason says what happened."""
     d = choice.decision
     allowed = _allowed()
     rejected = {c.name for c in (d.candidates if d else []) if c.valid is False}
     if allowed is not None:  # the restriction holds here too, but for the reference: something must trace
-        rejected |= set(TRACEABLE) - allowed
-    timed = sorted((c for c in (d.candidates if d else []) if c.valid and c.ms is not None and c.name in TRACEABLE
+        rejected |= set(_backends.TRACEABLE) - allowed
+    timed = sorted((c for c in (d.candidates if d else []) if c.valid and c.ms is not None
+                    and c.name in _backends.TRACEABLE
                     and c.name not in rejected), key=lambda c: c.ms)
     if timed:
         name = timed[0].name
-    elif "triton" not in rejected and not TritonBackend.not_supported_reasons(x, spec, cd):
-        name = "triton"
     else:
-        name = "reference"
+        name = next((n for n in dict.fromkeys((*static_order(), *BACKENDS)) if BACKENDS[n].traceable and BACKENDS[n].fused
+                     and n not in rejected and not BACKENDS[n].not_supported_reasons(x, spec, cd)),
+                    ReferenceBackend.name)
     reason = (f"torch.compile: {choice.name!r} does not run under torch.compile; tracing {name!r}"
               + (" (the fastest valid candidate that does)" if timed else ""))
-    plan = None
-    if name == "triton":
+    backend, plan = BACKENDS[name], None
+    if backend.fused:
         in_stats = t.in_stats is not None and modes[0].kind == BATCH
         rd = t.residual.dtype if t.residual is not None else None
-        plan = TritonBackend.make_plan(spec, modes, x, cd, in_stats, False, rd)
-    return BackendChoice(BACKENDS[name], choice.skipped + (reason,), d), plan
+        plan = backend.make_plan(spec, modes, x, cd, in_stats, False, rd)
+    return BackendChoice(backend, choice.skipped + (reason,), d), plan
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import ClassVar, NamedTuple, Optional, Protocol
+from typing import ClassVar, NamedTuple, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -46,16 +46,19 @@ from fused_preact.ops.spec import (
 from fused_preact.ops.triton.plan import TritonPlan
 
 __all__ = ["Plan", "Backend", "TritonBackend", "CudaBackend", "RecomputeBackend", "ReferenceBackend", "BACKENDS",
-           "PRIORITY", "BackendChoice", "select_backend", "check_backend_name", "PlanCache", "LastCall", "MAX_PLANS"]
+           "PRIORITY", "LEAN_PRIORITY", "TRACEABLE", "static_order", "register", "unregister", "BackendChoice",
+           "select_backend", "check_backend_name", "eager_fallback", "PlanCache", "LastCall", "MAX_PLANS"]
 
 
+@runtime_checkable
 class Plan(Protocol):
     """What a fused backend's plan provides: built once per input signature, run per call.
 
     Attributes:
         spec, modes: the chain and its BN modes. cdtype: compute dtype. out_shape, out_dtype: the
-        output's. proj_shape: the returned projection's (``proj_out="return"``). out_stats: whether
-        :meth:`forward` hands out the output's partial statistics.
+        output's. proj_shape: the projection shortcut's output shape (None without one; the returned
+        projection's for ``proj_out="return"``). out_stats: whether :meth:`forward` hands out the
+        output's partial statistics (then :meth:`handoff_geometry` describes their tiles).
     """
 
     spec: ChainSpec
@@ -63,6 +66,7 @@ class Plan(Protocol):
     cdtype: torch.dtype
     out_shape: tuple
     out_dtype: torch.dtype
+    proj_shape: Optional[tuple]
     out_stats: bool
 
     def forward(self, x: torch.Tensor, t: ChainTensors) -> ChainForward:
@@ -72,23 +76,39 @@ class Plan(Protocol):
                  proj_weight: Optional[torch.Tensor], needs: GradNeeds) -> ChainGrads:
         """Gradients from the output gradient(s), the forward's ``saved`` tensors and the weights."""
 
+    def handoff_geometry(self) -> tuple[int, int]:
+        """(rows per tile, total rows) of the output statistics' tiles (:class:`StatsHandoff`); read only
+        when ``out_stats``."""
+
 
 class Backend:
     """Base class: declared capabilities, refusal reasons, and how to build a plan.
 
-    Class attributes:
+    Class attributes (everything else reads them; nothing outside this module lists backends by name):
         name: the string accepted by ``backend=``.
         dtypes: compute dtypes served (the autocast dtype under autocast).
+        devices: device types served (None: any PyTorch serves).
         min_compute_capability: lowest CUDA (major, minor) served; None for device-agnostic.
         channels_multiple: every channel count must be a multiple of this (alignment; 1 = any).
         fused: runs fused kernels (a :class:`Plan` per input signature) rather than plain PyTorch.
+        lean: saves only the units' inputs for backward (no BatchNorm or ReLU output): what
+            ``memory="lean"`` asks for.
+        traceable: runs under ``torch.compile`` (a fused one through :meth:`compiled_plan` and the
+            custom ops of :mod:`fused_preact.ops.library`; plain PyTorch as traced ATen).
+        static: the ``memory=`` policies under which ``backend="auto"``'s static order (where nothing is
+            measured) includes it, in :data:`BACKENDS` order (:data:`PRIORITY`, :data:`LEAN_PRIORITY`);
+            empty for an opt-in backend, which runs when asked for or when a measurement picks it.
     """
 
     name: ClassVar[str] = ""
     dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
+    devices: ClassVar[Optional[tuple[str, ...]]] = None
     min_compute_capability: ClassVar[Optional[tuple[int, int]]] = None
     channels_multiple: ClassVar[int] = 1
     fused: ClassVar[bool] = True
+    lean: ClassVar[bool] = True
+    traceable: ClassVar[bool] = False
+    static: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def runtime_mode(cls) -> Optional[str]:
@@ -102,6 +122,8 @@ class Backend:
         (default x's); an empty list means it can. Without ``spec`` only the input is checked."""
         dtype = dtype or x.dtype
         reasons: list[str] = []
+        if cls.devices is not None and x.device.type not in cls.devices:
+            reasons.append(f"{cls.name}: device type {x.device.type!r} not supported")
         if dtype not in cls.dtypes:
             reasons.append(f"{cls.name}: dtype {dtype} not in {list(cls.dtypes)}")
         if cls.channels_multiple > 1:
@@ -123,6 +145,19 @@ class Backend:
         """Everything decided once per input signature (None for backends that need nothing)."""
         return None
 
+    @classmethod
+    def compiled_plan(cls, spec: ChainSpec, modes: tuple[BNMode, ...], shape: tuple, strides: tuple,
+                      x_dtype: torch.dtype, device: torch.device, cdtype: torch.dtype,
+                      residual_dtype: Optional[torch.dtype]) -> Plan:
+        """The plan :mod:`fused_preact.ops.library`'s custom ops run under ``torch.compile``, for an input
+        of concrete ``shape``/``strides`` (no statistics handed in or out). Fused backends with
+        ``traceable`` implement it.
+
+        Raises:
+            NotImplementedError: the backend does not run under ``torch.compile``.
+        """
+        raise NotImplementedError(f"fused_preact: backend {cls.name!r} does not run under torch.compile")
+
 
 def _range_reasons(name: str, x: torch.Tensor, spec: Optional[ChainSpec]) -> list[str]:
     """The Triton kernels' index-range refusals (:func:`fused_preact.ops.index_range.range_reasons`) for
@@ -138,6 +173,9 @@ class ReferenceBackend(Backend):
     name = "reference"
     dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
     fused = False
+    lean = False
+    traceable = True
+    static = ("fastest", "lean")
 
 
 class TritonBackend(Backend):
@@ -145,7 +183,10 @@ class TritonBackend(Backend):
 
     name = "triton"
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    devices = ("cpu", "cuda")
     min_compute_capability = (8, 0)
+    traceable = True
+    static = ("fastest", "lean")
 
     @classmethod
     def runtime_mode(cls):
@@ -187,14 +228,16 @@ class TritonBackend(Backend):
                            "fused_preact is first imported to run the kernels on CPU)")
         elif x.device.type == "cuda" and mode == "interpreter":
             reasons.append("triton: CUDA tensor but the kernels were built for Triton's interpreter")
-        elif x.device.type not in ("cpu", "cuda"):
-            reasons.append(f"triton: device type {x.device.type!r} not supported")
         return reasons + _range_reasons(cls.name, x, spec)
 
     @classmethod
     def make_plan(cls, spec, modes, x, cdtype, in_stats, out_stats, residual_dtype):
         return TritonPlan(spec, modes, x.shape, x.stride(), x.dtype, x.device, cdtype, in_stats, out_stats,
                           residual_dtype)
+
+    @classmethod
+    def compiled_plan(cls, spec, modes, shape, strides, x_dtype, device, cdtype, residual_dtype):
+        return TritonPlan(spec, modes, shape, strides, x_dtype, device, cdtype, False, False, residual_dtype)
 
 
 class CudaBackend(Backend):
@@ -203,6 +246,7 @@ class CudaBackend(Backend):
 
     name = "cuda"
     dtypes = (torch.float16, torch.bfloat16)
+    devices = ("cuda",)
     min_compute_capability = (8, 0)
     channels_multiple = 8
 
@@ -239,6 +283,8 @@ class RecomputeBackend(Backend):
 
     name = "recompute"
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    devices = ("cpu", "cuda")
+    static = ("lean",)
 
     @classmethod
     def runtime_mode(cls):
@@ -251,9 +297,7 @@ class RecomputeBackend(Backend):
     @classmethod
     def not_supported_reasons(cls, x, spec=None, dtype=None):
         reasons = super().not_supported_reasons(x, spec, dtype)
-        if x.device.type not in ("cpu", "cuda"):
-            reasons.append(f"recompute: device type {x.device.type!r} not supported")
-        elif uses_triton(x.device):
+        if x.device.type in cls.devices and uses_triton(x.device):
             reasons += _range_reasons(cls.name, x, spec)
         return reasons
 
@@ -266,12 +310,58 @@ BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (CudaBackend, TritonBac
                                                           ReferenceBackend)}
 
 #: Order in which ``backend="auto"`` tries backends where it does not measure (see
-#: :mod:`fused_preact.ops.auto`): the fused kernels, then plain PyTorch. ``recompute`` is not in it: it
-#: wins only by measurement (or as the lean choice, :data:`fused_preact.ops.auto.LEAN_PRIORITY`), since
-#: where triton refuses it costs an extra elementwise pass per unit over the reference path for a memory
-#: saving nobody asked for. ``cuda`` is opt-in (``backend="cuda"``) until its kernels have passed the
-#: test suite and the benchmark on a GPU (a measured ``auto`` validates it before it may win).
-PRIORITY: tuple[str, ...] = ("triton", "reference")
+#: :mod:`fused_preact.ops.auto`), from the backends' ``static``: the fused kernels, then plain PyTorch.
+#: ``recompute`` is not in it: it wins only by measurement (or as the lean choice, :data:`LEAN_PRIORITY`),
+#: since where triton refuses it costs an extra elementwise pass per unit over the reference path for a
+#: memory saving nobody asked for. ``cuda`` is opt-in (``backend="cuda"``) until its kernels have passed
+#: the test suite and the benchmark on a GPU (a measured ``auto`` validates it before it may win).
+PRIORITY: tuple[str, ...] = ()
+#: The static order under ``memory="lean"``: the lean backends first.
+LEAN_PRIORITY: tuple[str, ...] = ()
+#: Backends that run under ``torch.compile``.
+TRACEABLE: tuple[str, ...] = ()
+
+
+def _derive() -> None:
+    global PRIORITY, LEAN_PRIORITY, TRACEABLE
+    PRIORITY = tuple(n for n, b in BACKENDS.items() if "fastest" in b.static)
+    LEAN_PRIORITY = tuple(n for n, b in BACKENDS.items() if "lean" in b.static)
+    TRACEABLE = tuple(n for n, b in BACKENDS.items() if b.traceable)
+
+
+_derive()
+
+
+def static_order(memory: str = "fastest") -> tuple[str, ...]:
+    """:data:`PRIORITY` (``memory="fastest"``) or :data:`LEAN_PRIORITY` (``"lean"``), as registered now."""
+    return LEAN_PRIORITY if memory == "lean" else PRIORITY
+
+
+def register(backend: type[Backend]) -> type[Backend]:
+    """Enrol ``backend`` in :data:`BACKENDS` — before the reference backend, so that plain PyTorch stays
+    the static orders' last resort — and in the orders its class attributes ask for (``static``,
+    ``traceable``): ``backend=`` accepts its name, ``auto`` measures and validates it, ``torch.compile``
+    refuses or traces it as declared. Usable as a class decorator; returns ``backend``.
+
+    Raises:
+        ValueError: its ``name`` is empty, ``"auto"``, or taken by another class.
+    """
+    name = backend.name
+    if not name or name == "auto" or (name in BACKENDS and BACKENDS[name] is not backend):
+        raise ValueError(f"fused_preact: cannot register a backend named {name!r}")
+    items = [(n, b) for n, b in BACKENDS.items() if n != name]
+    last = [i for i, (_, b) in enumerate(items) if not b.fused]
+    items.insert(last[0] if last else len(items), (name, backend))
+    BACKENDS.clear()
+    BACKENDS.update(items)
+    _derive()
+    return backend
+
+
+def unregister(name: str) -> None:
+    """Remove a backend :func:`register` enrolled (plans cached for it stay with their owners)."""
+    BACKENDS.pop(name, None)
+    _derive()
 
 
 class BackendChoice(NamedTuple):
@@ -321,7 +411,7 @@ def select_backend(requested: str, x: torch.Tensor, spec: Optional[ChainSpec] = 
     """
     if requested == "auto":
         skipped: list[str] = []
-        for name in PRIORITY:
+        for name in static_order():
             reasons = BACKENDS[name].not_supported_reasons(x, spec, dtype)
             if not reasons:
                 return BackendChoice(BACKENDS[name], tuple(skipped))
@@ -332,6 +422,21 @@ def select_backend(requested: str, x: torch.Tensor, spec: Optional[ChainSpec] = 
     if reasons:
         raise RuntimeError(f"fused_preact: backend={requested!r} cannot serve this input: " + "; ".join(reasons))
     return BackendChoice(BACKENDS[requested])
+
+
+def eager_fallback(requested: str, why: str, what: str = "call") -> BackendChoice:
+    """The one answer to "plain PyTorch, and why" for a call no fused backend may serve (a hook, a
+    transform, an input the kernels cannot address, …): the reference backend with ``why`` as the
+    reason, under ``"auto"`` or a requested unfused backend. ``what``: the refused thing, in the error.
+
+    Raises:
+        ValueError: ``requested`` is not ``"auto"`` or a name in :data:`BACKENDS`.
+        RuntimeError: ``requested`` names a fused backend (a forced backend never falls back); the
+            message says why.
+    """
+    if check_backend_name(requested) != "auto" and BACKENDS[requested].fused:
+        raise RuntimeError(f"fused_preact: backend={requested!r} cannot serve this {what}: {why}")
+    return BackendChoice(ReferenceBackend, (why,))
 
 
 class LastCall(NamedTuple):

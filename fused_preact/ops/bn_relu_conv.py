@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fused_preact.ops._common import IntOr2
-from fused_preact.ops.backends import PlanCache, check_backend_name
+from fused_preact.ops.backends import PlanCache, eager_fallback
 from fused_preact.ops.run import run_chain
 from fused_preact.ops.spec import (
     BATCH,
@@ -102,8 +102,7 @@ def bn_relu_conv2d(
     check_running_buffers(training, running_mean, running_var)
     transform = functorch_reasons() + trace_reasons(x)
     if transform:
-        if check_backend_name(backend) not in ("auto", "reference"):
-            raise RuntimeError(f"fused_preact: backend={backend!r} cannot serve this call: {transform[0]}")
+        eager_fallback(backend, transform[0])
         return bn_relu_conv2d_reference(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, training,
                                         momentum, eps, stride, padding, dilation, groups)
     if (bn_weight is None) != (bn_bias is None):  # F.batch_norm's defaults for the missing half: γ = 1, β = 0

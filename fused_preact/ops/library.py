@@ -4,9 +4,10 @@ Eager calls never come here (they run :class:`fused_preact.ops.chain.ChainFuncti
 op costs tens of microseconds of dispatcher and Python per call). Under ``torch.compile`` the modules
 call :func:`compiled_chain`, which Dynamo traces: two custom ops with fake implementations and an
 autograd formula, ``fused_preact::chain_forward`` and ``fused_preact::chain_backward``, whose
-implementations run the same :class:`fused_preact.ops.triton.plan.TritonPlan` as the eager path. The chain
-structure travels as a string key (a ``repr`` of plain tuples, decoded with ``ast.literal_eval``), so a
-compiled graph needs no Python objects of ours. The running-statistics update (a mutation) is done
+implementations run the plan the eager path runs (the ``compiled_plan`` of a backend that declares
+``traceable``). The backend and chain structure travel as a string key (the backend's name, ``|``,
+and a ``repr`` of plain tuples, decoded with ``ast.literal_eval``), so a compiled graph needs no
+Python objects of ours. The running-statistics update (a mutation) is done
 outside the op in traced ATen code from the batch mean and variance the op returns in its ``aux``
 buffer; inductor fuses it.
 
@@ -22,10 +23,10 @@ from typing import Optional
 
 import torch
 
+from fused_preact.ops.backends import BACKENDS, Backend, Plan
 from fused_preact.ops.chain import ChainResult
 from fused_preact.ops.spec import BNMode, ChainSpec, ChainTensors, ConvGeom, GradNeeds, SavedChain
 from fused_preact.ops.triton.kernels_conv import PACK_ROWS, PACK_SHIFT
-from fused_preact.ops.triton.plan import TritonPlan
 
 __all__ = ["compiled_chain", "encode_key", "decode_key"]
 
@@ -58,15 +59,16 @@ def decode_key(key: str):
 _PLANS: dict = {}
 
 
-def _plan(key: str, x: torch.Tensor) -> TritonPlan:
+def _plan(key: str, x: torch.Tensor) -> Plan:
     # Tile counts and buffer sizes depend on the concrete shape: symbolic sizes are specialized here
     # (int() guards on them), so a compiled graph is specific to its input shapes.
     shape, stride = tuple(int(s) for s in x.shape), tuple(int(s) for s in x.stride())
     k = (key, shape, stride, x.dtype, x.device)
     plan = _PLANS.get(k)
     if plan is None:
-        spec, modes, cd, rd = decode_key(key)
-        plan = _PLANS[k] = TritonPlan(spec, modes, shape, stride, x.dtype, x.device, cd, False, False, rd)
+        backend, chain = key.split("|", 1)  # the op's key: "<backend>|<encode_key>"
+        spec, modes, cd, rd = decode_key(chain)
+        plan = _PLANS[k] = BACKENDS[backend].compiled_plan(spec, modes, shape, stride, x.dtype, x.device, cd, rd)
     return plan
 
 
@@ -76,7 +78,7 @@ def _present(tensors) -> list:
     return [t if t.numel() > 0 else None for t in tensors]
 
 
-def _unpack(plan: TritonPlan, tensors, floats) -> ChainTensors:
+def _unpack(plan: Plan, tensors, floats) -> ChainTensors:
     tensors = _present(tensors)
     n = len(plan.units)
     u = [tensors[_PER_UNIT * i:_PER_UNIT * (i + 1)] for i in range(n)]
@@ -206,19 +208,20 @@ torch.library.register_autograd("fused_preact::chain_forward", _backward, setup_
 
 
 # ----------------------------------------------------------------------------------- traced entry
-def compiled_chain(backend: str, spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BNMode, ...],
-                   plan) -> ChainResult:
+def compiled_chain(backend: type[Backend], spec: ChainSpec, x: torch.Tensor, t: ChainTensors,
+                   modes: tuple[BNMode, ...], plan) -> ChainResult:
     """The chain under ``torch.compile``: the custom ops above, then the running-statistics update in
     traced ATen (``nn.BatchNorm2d``'s formula: ``r ← (1 − f)·r + f·batch``, unbiased variance,
     ``f = 1/num_batches_tracked`` for ``momentum=None``). Statistics handoff is not used here.
 
     Raises:
-        NotImplementedError: ``backend`` is not ``"triton"`` (the CUDA extension's ops are not traced).
+        NotImplementedError: ``backend`` does not declare ``traceable`` (its ops are not traced).
     """
-    if backend != "triton":
-        raise NotImplementedError(f"fused_preact: backend {backend!r} under torch.compile (use backend='triton')")
+    if not (backend.traceable and backend.fused):
+        traced = [n for n, b in BACKENDS.items() if b.traceable and b.fused]
+        raise NotImplementedError(f"fused_preact: backend {backend.name!r} under torch.compile (use one of {traced})")
     quiet = tuple(dataclasses.replace(m, update=False) for m in modes)
-    key = encode_key(spec, quiet, plan.cdtype, t.residual.dtype if t.residual is not None else None)
+    key = f"{backend.name}|{encode_key(spec, quiet, plan.cdtype, t.residual.dtype if t.residual is not None else None)}"
     tensors: list = []
     floats: list = []
     for i in range(len(spec.convs)):

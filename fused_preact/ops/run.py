@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from fused_preact.ops import auto as _auto
 from fused_preact.ops import library
 from fused_preact.ops._common import autocast_enabled, compute_dtype
-from fused_preact.ops.backends import BackendChoice, LastCall, PlanCache, ReferenceBackend, select_backend
+from fused_preact.ops.backends import BackendChoice, LastCall, PlanCache, ReferenceBackend, eager_fallback, select_backend
 from fused_preact.ops.chain import ChainFunction, ChainResult, differentiable_slots, reference_chain
 from fused_preact.ops.spec import (
     BATCH,
@@ -172,9 +172,7 @@ def run_chain(requested: str, cache: PlanCache, spec: ChainSpec, x: torch.Tensor
             choice = select_backend(requested, x, spec, cd)
         vector_reasons = _vector_reasons(t) if choice.backend.fused else []
         if vector_reasons:
-            if requested != "auto":
-                raise RuntimeError(f"fused_preact: backend={requested!r} cannot serve this input: "
-                                   + "; ".join(vector_reasons))
+            eager_fallback(requested, "; ".join(vector_reasons), "input")
             choice = BackendChoice(ReferenceBackend, choice.skipped + tuple(vector_reasons))
         plan = None
         if x.shape[0] == 0 and choice.backend.fused:
@@ -198,11 +196,11 @@ def run_chain(requested: str, cache: PlanCache, spec: ChainSpec, x: torch.Tensor
     if plan is None:
         return reference_chain(spec, x, t, modes), choice
     if torch.compiler.is_compiling():
-        if requested == "auto" and choice.name != "triton":  # a decision of a backend that does not trace
+        if requested == "auto" and not choice.backend.traceable:  # a decision of a backend that does not trace
             choice, plan = _auto.traceable(choice, spec, x, t, modes, cd)
             if plan is None:
                 return reference_chain(spec, x, t, modes), choice
-        return library.compiled_chain(choice.name, spec, x, t, modes, plan), choice
+        return library.compiled_chain(choice.backend, spec, x, t, modes, plan), choice
     flat = differentiable_slots(t)
     if torch.is_grad_enabled() and (x.requires_grad or any(f is not None and f.requires_grad for f in flat)):
         outs = ChainFunction.apply(plan, t, x, *flat)

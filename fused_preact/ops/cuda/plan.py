@@ -37,6 +37,7 @@ class CudaPlan:
     """Per-unit composition of the extension's ops for one chain signature (see module docstring)."""
 
     out_stats = False
+    proj_shape: Optional[tuple] = None
 
     def __init__(self, spec: ChainSpec, modes: tuple[BNMode, ...], x_shape, x_dtype: torch.dtype,
                  cdtype: torch.dtype, residual_dtype: Optional[torch.dtype]):
@@ -66,6 +67,14 @@ class CudaPlan:
                 rm.copy_(rm * (1 - f) + mean.to(rm.dtype) * f)
                 rv.copy_(rv * (1 - f) + (var * (count / (count - 1))).to(rv.dtype) * f)
         return mean, torch.rsqrt(var + t.eps[i])
+
+    def handoff_geometry(self) -> tuple[int, int]:
+        """Not available: this plan hands out no output statistics (``out_stats`` is False).
+
+        Raises:
+            RuntimeError: always.
+        """
+        raise RuntimeError("fused_preact: this plan hands out no output statistics (out_stats is False)")
 
     def forward(self, x: torch.Tensor, t: ChainTensors) -> ChainForward:
         """The chain's forward (no statistics handoff); saved: the units' inputs and per unit (mean,

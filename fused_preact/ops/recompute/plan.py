@@ -95,6 +95,7 @@ class RecomputePlan:
     """
 
     out_stats = False
+    proj_shape: Optional[tuple] = None
 
     def __init__(self, spec: ChainSpec, modes: tuple[BNMode, ...], x_shape, x_strides, x_dtype: torch.dtype,
                  device: torch.device, cdtype: torch.dtype, in_stats: bool,
@@ -136,6 +137,14 @@ class RecomputePlan:
         #: elements of the backward's dz scratch, for input gradients that cuDNN does not lay out
         #: channels_last-dense (then dz cannot overwrite da in place): the largest BN input
         self.dz_numel = max(s[0] * s[1] * s[2] * s[3] for s in self.shapes[:-1])
+
+    def handoff_geometry(self) -> tuple[int, int]:
+        """Not available: this plan hands out no output statistics (``out_stats`` is False).
+
+        Raises:
+            RuntimeError: always.
+        """
+        raise RuntimeError("fused_preact: this plan hands out no output statistics (out_stats is False)")
 
     # ----------------------------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, t: ChainTensors) -> ChainForward:

@@ -204,7 +204,7 @@ class TritonPlan:
     def _plan_proj(self, split: Optional[int]) -> None:
         spec = self.spec
         self.proj_split = 1
-        self.proj_fcfg = self.proj_wcfg = self.proj_unit = None
+        self.proj_fcfg = self.proj_wcfg = self.proj_unit = self.proj_shape = None
         if spec.proj is None:
             return
         N, C, H, W = self.x_shape
