@@ -333,6 +333,16 @@ def test_bench_cli_errors_are_argparse_errors(argv, message, capsys):
     assert err.startswith("usage: python -m fused_preact.bench") and message in err, err
 
 
+def test_unwritable_out_is_refused_before_any_gpu_work(tmp_path, capsys):
+    """``--out`` under a file: argparse's usage error (exit 2) before the CUDA check and any run."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--level", "unit", "--quick", "--out", str(blocker / "results")])
+    assert e.value.code == 2
+    assert f"argument --out: {str(blocker)!r} is a file, not a folder" in capsys.readouterr().err
+
+
 def test_static_flag_abbreviated(capsys):
     """argparse takes --stat for --static: it prints where the static report lives, like --static."""
     for flag in ("--static", "--stat"):

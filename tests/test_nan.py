@@ -9,10 +9,12 @@ gradients and the running statistics are compared position by position.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import DEVICE
-from helpers import FUSED_BACKENDS
+from helpers import FUSED_BACKENDS, rel_err
 
 from fused_preact import FusedBNReLUConv2d, FusedPreActBlock
 from fused_preact.models import PreActBlock
@@ -207,3 +209,48 @@ def test_fp16_channel_with_minus_inf_shift_is_dead(dead, train):
     _assert_same_pattern(dxf, dxe, "input gradient")
     for (name, a), b in zip(gf.items(), ge.values()):
         _assert_same_pattern(a, b, f"grad {name}")
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_gamma_near_float32_max_is_applied_last(train, backend):
+    """γ = 3e38 with invstd = 4: ``invstd·γ`` overflows fp32, ``(dz·invstd)·γ`` does not. dx applies γ
+    last, as eager's ``batch_norm_backward`` does, so it is finite and eager's."""
+    torch.manual_seed(0)
+    fused = FusedBNReLUConv2d(4, 4, 1, backend=backend).to(DEVICE)
+    with torch.no_grad():
+        fused.bn.weight[0] = 3e38
+        fused.conv.weight.mul_(1e-3)
+        fused.bn.running_var.fill_(1 / 16)
+    fused.train(train)
+    eager = copy.deepcopy(fused)
+    eager.backend = "reference"
+    x = torch.randn(2, 4, 3, 3, device=DEVICE) * (0.25 if train else 1.0)
+    (_, dx, _, _), (_, dx_eager, _, _) = _run(fused, eager, x)
+    assert torch.isfinite(dx_eager).all()
+    assert torch.isfinite(dx).all()
+    for c in range(4):  # per channel: γ's channel is 1e35 where the others are 1e-4
+        assert rel_err(dx[:, c], dx_eager[:, c]) <= 1e-5, c
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_eval_with_zero_variance_and_zero_eps_is_eager(backend, dtype):
+    """Eval, eps = 0, a zero running variance: invstd = inf, and eager's ``(x − mean)·invstd·γ + β`` is
+    ±inf or NaN element by element, which ``x·scale + shift`` cannot follow; the call runs plain PyTorch,
+    saying why, with eager's NaN/inf pattern. A nonzero variance runs fused."""
+    torch.manual_seed(0)
+    fused = FusedBNReLUConv2d(4, 4, 1, eps=0.0, backend=backend).to(DEVICE, dtype).eval()
+    fused.bn.running_mean.fill_(0.5)
+    fused.bn.running_var.fill_(0.25)
+    x = torch.randn(2, 4, 3, 3, device=DEVICE, dtype=dtype)
+    x[0, :, 0, 0] = 0.5
+    fused(x)
+    assert fused.last_backend == backend
+    fused.bn.running_var[1] = 0.0
+    eager = copy.deepcopy(fused)
+    eager.backend = "reference"
+    (y, dx, grads, _), (y_e, dx_e, grads_e, _) = _run(fused, eager, x)
+    assert fused.last_backend == "reference" and "zero running variance" in fused.fallback_reason
+    for what, a, b in [("y", y, y_e), ("dx", dx, dx_e), ("dγ", grads["bn.weight"], grads_e["bn.weight"])]:
+        _assert_same_pattern(a, b, what)

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import DEVICE, HAS_CUDA
-from helpers import EAGER_FLOOR, EAGER_RATIO, ErrorPool, assert_within_eager
+from helpers import EAGER_FLOOR, EAGER_RATIO, ErrorPool, assert_close, assert_within_eager
 
 from fused_preact import FusedBNReLUConv2d, FusedPreActBottleneck
 from fused_preact.models import PreActBottleneck
@@ -29,8 +29,8 @@ from fused_preact.ops.triton.prologue16 import _preact16
 
 # ------------------------------------------------------------------------------ the definition
 def _definition(x, nm, s, b, keep):
-    """float64 reference of the transform: fp16(relu(fp16(x + nm)·s + b)), 0 in dropped rows."""
-    d = (x.double() + nm.double()).half().double()
+    """float64 reference of the transform: fp16(relu(fp16(x/2 + nm)·s + b)), 0 in dropped rows."""
+    d = (x.double() * 0.5 + nm.double()).half().double()
     z = d * s.double() + b.double()
     a = torch.where(z < 0, torch.zeros_like(z), z).half()  # NaN stays NaN
     return torch.where(keep[:, None], a, torch.zeros_like(a))
@@ -193,3 +193,34 @@ def test_large_mean_input_is_adversarial():
     assert rel(plain) > EAGER_RATIO * rel(eager) + floor
     assert rel(centred) <= EAGER_RATIO * rel(eager) + floor
 
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_values_more_than_65504_from_the_mean_stay_finite(train):
+    """A channel of mean ≈ −8,500 holding a value of 58,000: ``x − m̃`` is beyond fp16's range, the
+    halved difference is not, so output and gradients are finite, as eager's are, and within fp16's
+    tolerance of float64."""
+    torch.manual_seed(0)
+    fused = FusedBNReLUConv2d(4, 8, 1, backend="triton").to(DEVICE).half()
+    eager = copy.deepcopy(fused).cpu().double()
+    eager.backend = "reference"
+    x = torch.randn(2, 4, 8, 8, dtype=torch.float64) * 10
+    x[:, 0] -= 9000
+    x[0, 0, 0, 0] = 58000
+    x = x.half()
+    if not train:
+        fused.eval(), eager.eval()
+        for m in (fused, eager):
+            m.bn.running_mean.fill_(-8600.0)
+            m.bn.running_var.fill_(1.0e4)
+    xf = x.to(DEVICE).requires_grad_()
+    xd = x.detach().double().requires_grad_()
+    y, ref = fused(xf), eager(xd)
+    assert fused.last_backend == "triton"
+    assert torch.isfinite(y).all()
+    dy = torch.randn_like(ref)
+    y.backward(dy.to(DEVICE, torch.float16))
+    ref.backward(dy)
+    for got, want, what in [(y, ref, "y"), (xf.grad, xd.grad, "dx"), (fused.conv.weight.grad, eager.conv.weight.grad, "dw")]:
+        assert torch.isfinite(got).all(), what
+        assert_close(got, want, torch.float16, what)

@@ -100,7 +100,7 @@ from fused_preact.bench.shapes import (
     unit_flops,
     unit_min_bytes,
 )
-from fused_preact.cli_types import int_at_least, positive_float
+from fused_preact.cli_types import int_at_least, positive_float, unwritable_folder
 
 __all__ = [
     "LEVELS", "ENTRY_MODES", "ENQUEUE_PROVIDERS", "EST_S", "make_entry", "annotate", "validate_results",
@@ -517,6 +517,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tasks = _plan(a.level, a.models, a.providers, a.batch, a.quick, a.dtype, a.modes, a.layers)
     if not tasks:
         parser.error(_no_tasks(a))
+    problem = unwritable_folder(a.out)  # before any GPU work: a run's results must have somewhere to go
+    if problem:
+        parser.error(f"argument --out: {problem}")
     refusal = cuda_refusal()
     if refusal:
         print(f"fused_preact.bench: {refusal}", file=sys.stderr)

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fused_preact.cli_types import int_at_least
+from fused_preact.cli_types import int_at_least, unwritable_file
 
 __all__ = ["METRICS", "residual_blocks", "gradient_flow", "plot_gradient_flow", "parse_args", "run", "main"]
 
@@ -239,14 +239,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             examples = ("11, 20, 29, 56, 110, 164, 1001 (9n+2) with bottlenecks" if bottleneck
                         else "8, 14, 20, 56, 110 (6n+2) with basic blocks")
             p.error(f"argument --depth: {e} (e.g. {examples})")
-    from fused_preact.experiments.main_job import _device_problem, _unwritable
+    from fused_preact.experiments.main_job import _device_problem
 
     problem = _device_problem(args.device)
     if problem:
         p.error(f"argument --device: {problem}")
     for name in ("json", "out"):
         if getattr(args, name):
-            problem = _unwritable(getattr(args, name))
+            problem = unwritable_file(getattr(args, name))
             if problem:
                 p.error(f"argument --{name}: {problem}")
     return args

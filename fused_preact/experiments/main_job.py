@@ -35,6 +35,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from fused_preact.cli_types import unwritable_file
+
 __all__ = ["CPU_DEFAULTS", "CUDA_DEFAULTS", "main", "parse_args", "run", "verdict", "max_rel_divergence",
            "enable_triton_interpreter"]
 
@@ -182,28 +184,10 @@ def parse_args(argv: Optional[list[str]] = None, cuda: bool = False) -> argparse
             p.error(f"argument --backend: {args.backend!r} cannot run here: {reasons[0].split(' (')[0]}"
                     + (f" (and {len(reasons) - 1} more reasons)" if len(reasons) > 1 else ""))
     if args.json:
-        problem = _unwritable(args.json)
+        problem = unwritable_file(args.json)
         if problem:
             p.error(f"argument --json: {problem}")
     return args
-
-
-def _unwritable(path: str) -> Optional[str]:
-    """Why the results cannot be written to ``path`` (None if they can): checked before the run, so
-    that a long run's results are not lost at the end."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        return f"{path!r} is a folder"
-    if not os.path.isdir(folder):
-        up = folder
-        while up and not os.path.exists(up) and os.path.dirname(up) != up:
-            up = os.path.dirname(up)
-        if os.path.exists(up) and not os.path.isdir(up):
-            return f"{up!r} is a file, not a folder"
-        return f"no such folder: {folder!r}"
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        return f"{path!r} is not writable"
-    return None
 
 
 def soak_passes(tail_rel_divergence: float, tolerance: float, growth_bytes: Optional[int]) -> bool:

@@ -14,7 +14,7 @@ import torch
 from fused_preact.ops.triton_compat import tl, triton
 
 __all__ = [
-    "triton", "tl", "triton_mode", "interpreting", "pair", "conv_out_size", "wants_channels_last",
+    "triton", "tl", "triton_mode", "interpreting", "pair", "conv_out_size", "wants_channels_last", "nhwc_strides_of",
     "nhwc_strides", "dot_dtype", "input_precision", "compute_dtype", "autocast_enabled", "IntOr2", "LRUDict",
 ]
 
@@ -91,10 +91,16 @@ def wants_channels_last(x: torch.Tensor) -> bool:
     return x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
 
 
+def nhwc_strides_of(strides) -> tuple[int, int, int, int]:
+    """(n, h, w, c) strides from logical (N, C, H, W) ``strides``: the one place the kernels' argument
+    order is derived."""
+    sn, sc, sh, sw = strides
+    return sn, sh, sw, sc
+
+
 def nhwc_strides(t: torch.Tensor) -> tuple[int, int, int, int]:
     """The (n, h, w, c) element strides of a logical (N, C, H, W) tensor, whatever its memory format."""
-    sn, sc, sh, sw = t.stride()
-    return sn, sh, sw, sc
+    return nhwc_strides_of(t.stride())
 
 
 _DOT = None

@@ -26,7 +26,7 @@ import torch
 from fused_preact.ops.backends import BACKENDS, Backend, Plan
 from fused_preact.ops.chain import ChainResult
 from fused_preact.ops.spec import BNMode, ChainSpec, ChainTensors, ConvGeom, GradNeeds, SavedChain
-from fused_preact.ops.triton.kernels_conv import PACK_ROWS, PACK_SHIFT
+from fused_preact.ops.triton.kernels_conv import PACK_GAMMA, PACK_ROWS, PACK_SHIFT
 
 __all__ = ["compiled_chain", "encode_key", "decode_key"]
 
@@ -38,7 +38,7 @@ def encode_key(spec: ChainSpec, modes: tuple[BNMode, ...], cdtype: torch.dtype,
     """The chain signature as a string of plain Python literals (see :func:`decode_key`)."""
     return repr((tuple(dataclasses.astuple(g) for g in spec.convs),
                  dataclasses.astuple(spec.proj) if spec.proj is not None else None, spec.proj_out, spec.residual,
-                 tuple(dataclasses.astuple(m) for m in modes), str(cdtype).replace("torch.", ""),
+                 tuple((int(m.kind), m.affine, m.update, m.cumulative) for m in modes), str(cdtype).replace("torch.", ""),
                  str(residual_dtype).replace("torch.", "") if residual_dtype is not None else None))
 
 
@@ -100,7 +100,7 @@ def _chain_forward(x: torch.Tensor, tensors: list[torch.Tensor], floats: list[fl
         if not name.startswith("pack"):
             region.zero_()
         else:  # rows past the BatchNorm's: the fprop kernel's scratch (not always written)
-            region.view(PACK_ROWS, -1)[PACK_SHIFT + 1:].zero_()
+            region.view(PACK_ROWS, -1)[PACK_SHIFT + 1:PACK_GAMMA].zero_()
     proj_out = fwd.proj_out if fwd.proj_out is not None else x.new_empty(0)
     return [fwd.out, proj_out, fwd.saved.aux_base, *fwd.saved.inputs[1:]]
 

@@ -20,6 +20,7 @@ from fused_preact.ops.chain import ChainFunction, ChainResult, differentiable_sl
 from fused_preact.ops.spec import (
     BATCH,
     EXTERNAL,
+    RUNNING,
     BNMode,
     ChainSpec,
     ChainTensors,
@@ -124,6 +125,17 @@ def _has_tangents(x: torch.Tensor, t: ChainTensors) -> bool:
     return any(v is not None and fwAD.unpack_dual(v).tangent is not None for v in tensors)
 
 
+def _infinite_invstd(t: ChainTensors, modes) -> bool:
+    """Whether a unit normalizes with running statistics, eps = 0 and a zero running variance: invstd is
+    infinite, and eager's ``(x − mean)·invstd·γ + β`` is ±inf or NaN element by element where the fused
+    ``x·scale + shift`` cannot follow. Reads the variance (a device sync) only for eps = 0 in eval; not
+    under ``torch.compile``, which would break the graph there."""
+    if torch.compiler.is_compiling():
+        return False
+    return any(m.kind == RUNNING and t.eps[i] == 0 and t.running_vars[i] is not None
+               and bool((t.running_vars[i] == 0).any()) for i, m in enumerate(modes))
+
+
 def _vector_reasons(t: ChainTensors) -> list[str]:
     """Per-channel vectors the fused kernels cannot address (they read ``ptr + c``)."""
     bad = []
@@ -190,6 +202,11 @@ def run_chain(requested: str, cache: PlanCache, spec: ChainSpec, x: torch.Tensor
     if plan is not None and _has_tangents(x, t):
         choice = BackendChoice(ReferenceBackend, choice.skipped + (
             "forward-mode AD (dual tensors): the fused kernels have no JVP; plain PyTorch ops",))
+        plan = None
+    if plan is not None and _infinite_invstd(t, modes):
+        choice = BackendChoice(ReferenceBackend, choice.skipped + (
+            "eval with eps = 0 and a zero running variance: an infinite invstd, which the folded transform "
+            "x·scale + shift cannot carry; plain PyTorch ops",))
         plan = None
     if not torch.compiler.is_compiling():
         cache.last = LastCall(key, requested, memory, choice.name, choice.reason)

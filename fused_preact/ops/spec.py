@@ -16,6 +16,7 @@ chain input (``"input"``: the identity shortcut) or any tensor of the output's s
 from __future__ import annotations
 
 import dataclasses
+from enum import IntEnum
 from typing import NamedTuple, Optional
 
 import torch
@@ -23,13 +24,19 @@ import torch.nn as nn
 
 from fused_preact.ops._common import autocast_enabled, conv_out_size, pair
 
-__all__ = ["ConvGeom", "ChainSpec", "BNMode", "ChainTensors", "StatsHandoff", "SavedChain", "ChainForward",
+__all__ = ["ConvGeom", "ChainSpec", "BNKind", "BNMode", "ChainTensors", "StatsHandoff", "SavedChain", "ChainForward",
            "GradNeeds", "ChainGrads", "BATCH", "RUNNING", "EXTERNAL", "validate_chain", "chain_shapes",
            "add_shortcut", "projection_problem", "check_running_buffers"]
 
-#: BatchNorm modes of a unit: statistics of this batch, running statistics (eval), or statistics given
-#: from outside (synchronized BN; their gradients are returned instead of folded into dx).
-BATCH, RUNNING, EXTERNAL = 0, 1, 2
+class BNKind(IntEnum):
+    """Where a unit's BatchNorm takes its statistics from (the kernels receive the int)."""
+
+    BATCH = 0     #: this batch's (training)
+    RUNNING = 1   #: the running buffers (eval)
+    EXTERNAL = 2  #: given from outside (synchronized BN; their gradients are returned, not folded into dx)
+
+
+BATCH, RUNNING, EXTERNAL = BNKind.BATCH, BNKind.RUNNING, BNKind.EXTERNAL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,16 +119,19 @@ class BNMode:
     """How one unit's BatchNorm behaves in this call (``nn.BatchNorm2d.forward``'s decisions).
 
     Attributes:
-        kind: :data:`BATCH`, :data:`RUNNING` or :data:`EXTERNAL`.
+        kind: a :class:`BNKind` (:data:`BATCH`, :data:`RUNNING` or :data:`EXTERNAL`; an int is converted).
         affine: has γ and β.
         update: training with running buffers: they are updated (and ``num_batches_tracked`` counted).
         cumulative: ``momentum=None``: the average factor is ``1/num_batches_tracked``.
     """
 
-    kind: int
+    kind: BNKind
     affine: bool = True
     update: bool = False
     cumulative: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", BNKind(self.kind))
 
 
 class StatsHandoff(NamedTuple):

@@ -13,6 +13,7 @@ from fused_preact.ops._common import nhwc_strides, triton
 from fused_preact.ops.index_range import needs_idx64, range_reasons
 from fused_preact.ops.spec import BATCH, BNMode
 from fused_preact.ops.triton import launch
+from fused_preact.ops.triton.kernels_conv import PACK_ROWS
 
 __all__ = ["batch_stats", "batch_stats_reference"]
 
@@ -23,7 +24,8 @@ def _batch_stats_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     M = N * H * W
     rows = max(16, min(256, triton.next_power_of_2(M)))
     parts = triton.cdiv(M, rows)
-    part, pack = torch.empty(parts * 2 * C + 5 * C, device=x.device, dtype=torch.float32).split([parts * 2 * C, 5 * C])
+    rows_bn = PACK_ROWS * C
+    part, pack = torch.empty(parts * 2 * C + rows_bn, device=x.device, dtype=torch.float32).split([parts * 2 * C, rows_bn])
     launch.stats_partial(x=x, x_strides=nhwc_strides(x), part=part, shape=x.shape, rows=rows, idx64=needs_idx64(x))
     launch.finalize(pack=pack, C=C, mode=BNMode(BATCH, False), part=part, num_parts=parts, count=M, rows=rows)
     return pack[:C], pack[C:2 * C]

@@ -147,6 +147,13 @@ TILE_OVERRIDES: dict[tuple[int, int], dict[tuple[str, int, str, str], Optional[d
         ("wgrad", 90, "bf16", "128x32x256_w2_s2"): None,
         ("wgrad", 80, "bf16", "128x32x256_w2_s3"): None,
     },
+    (3, 9): {
+        # defaults that spill 8 bytes with fp16's halved transform (prologue16) on sm_90: R50's wide 3x3
+        # wgrad at 255 registers (64 channels -> 32: issue ratio 0.961 -> 0.971) and R164 layer1.0's
+        # projection wgrad 16->64 (1 warp -> 2, 3 stages: 0.982 -> 0.904; its autocast twin 1.295 -> 1.131)
+        ("wgrad", 90, "fp16", "64x64x256_w4_s2"): {"BLOCK_N": 32},
+        ("wgrad", 90, "fp16", "64x16x256_w1_s2"): {"num_warps": 2, "num_stages": 3},
+    },
 }
 
 

@@ -62,10 +62,10 @@ def _mask_sums_kernel(
 
     ``dz = da·[x·scale + shift > 0]`` (``threshold_backward``: a NaN pre-activation passes its
     gradient). Stores ``dz`` in out's dtype into ``out`` — or, with WRITE_DX (running or externally
-    given statistics), ``dx = scale·dz`` (+ ``res``, the gradient reaching x through an identity
+    given statistics), ``dx = (dz·invstd)·γ`` (+ ``res``, the gradient reaching x through an identity
     shortcut, with HAS_RES). ``out`` may be ``da`` itself (each element is read before it is written by
-    the same program). Row ``pid_m`` of ``psum`` (programs, 2, C) fp32 gets Σdz and Σdz·x̂ of the stored
-    (rounded) dz, ``x̂ = (x − mean)·invstd``. Grid: (cdiv(M, ROWS), cdiv(C, BLOCK_C)); ROWS is a
+    the same program). Row ``pid_m`` of ``psum`` (programs, 2, C) fp32 gets Σdz and Σdz·x̂ of the
+    stored (rounded) dz, ``x̂ = (x − mean)·invstd``. Grid: (cdiv(M, ROWS), cdiv(C, BLOCK_C)); ROWS is a
     multiple of BLOCK_M.
     """
     pid_m = tl.program_id(0)
@@ -93,8 +93,9 @@ def _mask_sums_kernel(
         z = tl.fma(xt, sc[None, :], sh[None, :])
         dz = tl.where(mask & ~(z <= 0.0), da, 0.0)
         optr = out_ptr + (nb * son + hi * soh + wi * sow)[:, None] + cols[None, :] * soc
-        if WRITE_DX:
-            dx = dz * sc[None, :]
+        if WRITE_DX:  # (dz·invstd)·γ, γ last (as eager: a γ near fp32's range does not overflow invstd·γ)
+            gam = tl.load(pack_ptr + 8 * C + cols, mask=cmask, other=0.0)
+            dx = (dz * istd[None, :]) * gam[None, :]
             if HAS_RES:
                 dx += tl.load(res_ptr + (nb * srn + hi * srh + wi * srw)[:, None] + cols[None, :] * src,
                               mask=mask, other=0.0).to(tl.float32)

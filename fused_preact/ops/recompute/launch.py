@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from fused_preact.ops._common import interpreting, triton
+from fused_preact.ops._common import interpreting, nhwc_strides, triton
 from fused_preact.ops.recompute import kernels as RK
 from fused_preact.ops.spec import ConvGeom
 from fused_preact.ops.triton import launch as TL
@@ -47,11 +47,6 @@ def sum_rows(M: int, C: int, channels_inner: bool = True) -> int:
     return max(bm, min(64 * bm, triton.cdiv(per, bm) * bm))
 
 
-def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:
-    sn, sc, sh, sw = t.stride()
-    return sn, sh, sw, sc
-
-
 def preact(*, x: torch.Tensor, pack: torch.Tensor, a: torch.Tensor, idx64: bool) -> None:
     """``a = relu(x·scale + shift)`` (scale, shift: rows 3 and 4 of ``pack`` (5, C) fp32) for logical
     (N, C, H, W) ``x`` and ``a`` of the same shape, any strides; stored in a's dtype."""
@@ -59,12 +54,9 @@ def preact(*, x: torch.Tensor, pack: torch.Tensor, a: torch.Tensor, idx64: bool)
     M = N * H * W
     bm, bc = tiles(M, C, x.stride(1) == 1)
     grid = (triton.cdiv(M, bm), triton.cdiv(C, bc))
-    args = (x, *_strides(x), pack, a, *_strides(a), M, H, W, C)
+    args = (x, *nhwc_strides(x), pack, a, *nhwc_strides(a), M, H, W, C)
     kw = dict(IDX64=idx64, BLOCK_M=bm, BLOCK_C=bc, num_warps=4)
-    if TL._active() is not None:
-        TL._record("preact", RK._preact_kernel, grid, args, kw)
-    else:
-        RK._preact_kernel[grid](*args, **kw)
+    TL._launcher("preact", RK._preact_kernel, grid)(*args, **kw)
 
 
 def mask_sums(*, da: torch.Tensor, x: torch.Tensor, pack: torch.Tensor, out: torch.Tensor, out_strides,
@@ -81,17 +73,14 @@ def mask_sums(*, da: torch.Tensor, x: torch.Tensor, pack: torch.Tensor, out: tor
     bm, bc = tiles(M, C, x.stride(1) == 1)
     parts = triton.cdiv(M, rows)
     grid = (parts, triton.cdiv(C, bc))
-    rs = _strides(res) if res is not None else (0, 0, 0, 0)
-    args = (da, *_strides(da), x, *_strides(x), pack, out, *out_strides, res, *rs, psum, M, rows, H, W, C)
+    rs = nhwc_strides(res) if res is not None else (0, 0, 0, 0)
+    args = (da, *nhwc_strides(da), x, *nhwc_strides(x), pack, out, *out_strides, res, *rs, psum, M, rows, H, W, C)
     kw = dict(WRITE_DX=write_dx, HAS_RES=res is not None, IDX64=idx64, BLOCK_M=bm, BLOCK_C=bc, num_warps=4)
-    if TL._active() is not None:
-        TL._record("mask_sums", RK._mask_sums_kernel, grid, args, kw)
-    else:
-        RK._mask_sums_kernel[grid](*args, **kw)
+    TL._launcher("mask_sums", RK._mask_sums_kernel, grid)(*args, **kw)
     return parts
 
 
-def fold(*, psum: torch.Tensor, num_parts: int, C: int, pack: torch.Tensor, sum_mode: int, coef: torch.Tensor,
+def fold(*, psum: torch.Tensor, num_parts: int, C: int, pack: torch.Tensor, sum_mode: TL.SumMode, coef: torch.Tensor,
          dbeta: Optional[torch.Tensor], dgamma: Optional[torch.Tensor], inv_count: float) -> None:
     """Fold the ``num_parts`` partial rows of ``psum`` in order (deterministic) into dβ = Σdz and
     dγ = Σdz·x̂ (when given) and ``coef``: with ``sum_mode`` 1 the dx coefficients (Σdz, Σdz·x̂)·inv_count,

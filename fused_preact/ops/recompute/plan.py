@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from fused_preact.ops._common import interpreting, triton, triton_mode
+from fused_preact.ops._common import interpreting, nhwc_strides, triton, triton_mode
 from fused_preact.ops.index_range import INT32_MAX, chain_margin, max_offset, needs_idx64, range_reasons, within_reach
 from fused_preact.ops.recompute import launch as RL
 from fused_preact.ops.recompute import torch_ops as RT
@@ -46,6 +46,7 @@ from fused_preact.ops.spec import (
 )
 from fused_preact.ops.triton import launch as TL
 from fused_preact.ops.triton.configs import INTERP_SUM_ROWS, contig_nhwc, nhwc_strides_of, p2
+from fused_preact.ops.triton.kernels_conv import PACK_ROWS
 
 __all__ = ["RecomputePlan", "uses_triton"]
 
@@ -60,11 +61,6 @@ def uses_triton(device: torch.device) -> bool:
     if device.type == "cuda":
         return mode == "compiled" and torch.cuda.get_device_capability(device) >= (8, 0)
     return device.type == "cpu" and mode == "interpreter"
-
-
-def _nhwc(t: torch.Tensor) -> tuple[int, int, int, int]:
-    sn, sc, sh, sw = t.stride()
-    return sn, sh, sw, sc
 
 
 def _nhwc_dense(t: torch.Tensor) -> bool:
@@ -132,7 +128,7 @@ class RecomputePlan:
             inner = (x_strides[1] == 1) if i == 0 else (self.channels_last or c == 1)
             self.sum_rows.append(RL.sum_rows(M, c, inner) if self.triton else M)
             fwd = triton.cdiv(M, self.stats_rows[i]) if mode.kind == BATCH and not (i == 0 and self.in_stats) else 0
-            self.aux_sizes += [5 * c, max(fwd, triton.cdiv(M, self.sum_rows[i])) * 2 * c, 2 * c]
+            self.aux_sizes += [PACK_ROWS * c, max(fwd, triton.cdiv(M, self.sum_rows[i])) * 2 * c, 2 * c]
         self.aux_total = sum(self.aux_sizes)
         #: elements of the backward's dz scratch, for input gradients that cuDNN does not lay out
         #: channels_last-dense (then dz cannot overwrite da in place): the largest BN input
@@ -164,7 +160,7 @@ class RecomputePlan:
             if self.triton:
                 pack = aux[3 * i]
                 if mode.kind == BATCH and not (i == 0 and self.in_stats):
-                    TL.stats_partial(x=h, x_strides=_nhwc(h), part=aux[3 * i + 1], shape=self.shapes[i],
+                    TL.stats_partial(x=h, x_strides=nhwc_strides(h), part=aux[3 * i + 1], shape=self.shapes[i],
                                      rows=self.stats_rows[i], idx64=self.idx64)
                 TL.finalize(**self._finalize_args(i, t, aux))
                 a = torch.empty_like(h, dtype=cd)
@@ -293,7 +289,7 @@ class RecomputePlan:
         # the call's scratch (its first M·C elements; one allocation for every unit)
         if write_dx:
             target = da if in_place else torch.empty_like(xin)
-            out, out_strides = target, _nhwc(target)
+            out, out_strides = target, nhwc_strides(target)
         else:
             if _nhwc_dense(da):
                 out = da
@@ -305,14 +301,15 @@ class RecomputePlan:
         parts = RL.mask_sums(da=da, x=xin, pack=pack, out=out, out_strides=out_strides, psum=psum,
                              rows=self.sum_rows[i], write_dx=write_dx, res=res if write_dx else None, idx64=idx64)
         if need_sums:
-            RL.fold(psum=psum, num_parts=parts, C=C, pack=pack, sum_mode=2 if kind == EXTERNAL else 1, coef=coef,
-                    dbeta=dbeta, dgamma=dgamma, inv_count=1.0 / M)
+            sum_mode = TL.SumMode.EXTERNAL if kind == EXTERNAL else TL.SumMode.BATCH
+            RL.fold(psum=psum, num_parts=parts, C=C, pack=pack, sum_mode=sum_mode, coef=coef, dbeta=dbeta, dgamma=dgamma,
+                    inv_count=1.0 / M)
             if kind == EXTERNAL:
                 grads.ext_stats = tuple(coef.view(2, C).unbind(0))
         if skip_dx or write_dx:
             return None if skip_dx else out
         target = da if in_place else torch.empty_like(xin)
-        TL.dx(geom=spec.convs[i], shape=shape, x=xin, x_strides=_nhwc(xin), pack=pack, coef=coef, dz=out, out=target,
-              out_strides=_nhwc(target), res=res, res_strides=_nhwc(res) if res is not None else (0, 0, 0, 0),
+        TL.dx(geom=spec.convs[i], shape=shape, x=xin, x_strides=nhwc_strides(xin), pack=pack, coef=coef, dz=out, out=target,
+              out_strides=nhwc_strides(target), res=res, res_strides=nhwc_strides(res) if res is not None else (0, 0, 0, 0),
               idx64=idx64)
         return target

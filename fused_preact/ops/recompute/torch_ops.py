@@ -18,7 +18,7 @@ _C = (1, -1, 1, 1)
 
 
 def pack(h: torch.Tensor, i: int, mode: BNMode, t: ChainTensors) -> torch.Tensor:
-    """The (5, C) fp32 rows (mean, var, invstd, scale, shift) of unit ``i``'s BatchNorm on its input
+    """The (6, C) fp32 rows (mean, var, invstd, scale, shift, γ) of unit ``i``'s BatchNorm on its input
     ``h`` (N, C, H, W): batch statistics (running buffers and ``num_batches_tracked`` updated as
     ``nn.BatchNorm2d`` updates them), the running statistics (eval), or the given ones (EXTERNAL)."""
     eps = t.eps[i]
@@ -41,9 +41,10 @@ def pack(h: torch.Tensor, i: int, mode: BNMode, t: ChainTensors) -> torch.Tensor
             rm.copy_(rm * (1 - f) + mean.to(rm.dtype) * f)
             rv.copy_(rv * (1 - f) + (var * (count / max(count - 1, 1))).to(rv.dtype) * f)
     gamma, beta = t.gammas[i], t.betas[i]
-    scale = invstd * gamma.float() if gamma is not None else invstd
+    gamma = gamma.float() if gamma is not None else torch.ones_like(invstd)
+    scale = invstd * gamma
     shift = (beta.float() if beta is not None else 0.0) - mean * scale
-    return torch.stack([mean, var, invstd, scale, shift])
+    return torch.stack([mean, var, invstd, scale, shift, gamma])
 
 
 def preact(x: torch.Tensor, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -53,13 +54,13 @@ def preact(x: torch.Tensor, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 def mask_sums(da: torch.Tensor, x: torch.Tensor, p: torch.Tensor, write_dx: bool, res: Optional[torch.Tensor],
               dx_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dz in da's dtype — or, with ``write_dx``, ``scale·dz + res`` in ``dx_dtype`` —, Σdz, Σdz·x̂) with
-    ``dz = da·[x·scale + shift > 0]``; the sums over the rounded dz, in fp32."""
+    """(dz in da's dtype — or, with ``write_dx``, ``(dz·invstd)·γ + res`` in ``dx_dtype`` —, Σdz, Σdz·x̂)
+    with ``dz = da·[x·scale + shift > 0]``; the sums over the rounded dz, in fp32."""
     xf = x.float()
     z = torch.addcmul(p[4].view(_C), xf, p[3].view(_C))
     dz = torch.where(z <= 0, 0.0, da.float())
     if write_dx:
-        out = dz * p[3].view(_C)
+        out = (dz * p[2].view(_C)) * p[5].view(_C)
         if res is not None:
             out = out + res
         out = out.to(dx_dtype)
@@ -81,9 +82,10 @@ def fold(s_dz: torch.Tensor, s_dzx: torch.Tensor, p: torch.Tensor, kind: int, co
 
 def dx(dz: torch.Tensor, x: torch.Tensor, p: torch.Tensor, coef: torch.Tensor, res: Optional[torch.Tensor],
        dtype: torch.dtype) -> torch.Tensor:
-    """Training-mode BN backward ``scale·(dz − c1 − x̂·c2)`` (+ ``res``) in ``dtype``."""
+    """Training-mode BN backward ``((dz − c1 − x̂·c2)·invstd)·γ`` (+ ``res``) in ``dtype``: γ last, as
+    eager's ``batch_norm_backward``."""
     xhat = (x.float() - p[0].view(_C)) * p[2].view(_C)
-    out = p[3].view(_C) * (dz.float() - coef[0].view(_C) - xhat * coef[1].view(_C))
+    out = (dz.float() - coef[0].view(_C) - xhat * coef[1].view(_C)) * p[2].view(_C) * p[5].view(_C)
     if res is not None:
         out = out + res
     return out.to(dtype)

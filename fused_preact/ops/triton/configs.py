@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from fused_preact.ops._common import interpreting, triton
+from fused_preact.ops._common import interpreting, nhwc_strides_of, triton
 from fused_preact.ops.spec import BNMode, ConvGeom
 from fused_preact.ops.triton_compat import tile_override
 
@@ -705,12 +705,6 @@ def out_strides(shape, channels_last: bool) -> tuple[int, int, int, int]:
     """(n, h, w, c) strides of a new (N, C, H, W) tensor in channels_last or NCHW-contiguous format."""
     N, C, H, W = shape
     return contig_nhwc(shape) if channels_last else (C * H * W, W, 1, H * W)
-
-
-def nhwc_strides_of(strides) -> tuple[int, int, int, int]:
-    """(n, h, w, c) strides from logical (N, C, H, W) ``strides``."""
-    sn, sc, sh, sw = strides
-    return sn, sh, sw, sc
 
 
 def is_channels_last(shape, strides) -> bool:

@@ -5,7 +5,7 @@ per-channel pack, and the elementwise dx pass of BN's backward.
                             whose producer is not fused (a network's first BN)
     _finalize_kernel        partial (mean, M2) tiles → pack rows (mean, var, invstd, scale, shift);
                             running-stat update and num_batches_tracked, as nn.BatchNorm2d does
-    _dx_kernel              dx = scale·(dz − Σdz/M − x̂·Σdz·x̂/M) (+ the identity shortcut's gradient),
+    _dx_kernel              dx = (dz − Σdz/M − x̂·Σdz·x̂/M)·invstd·γ (+ the identity shortcut's gradient),
                             plus the fixed-order split-K sums of the weight gradients
 
 Statistics follow Chan, Golub & LeVeque ("Updating formulae and a pairwise algorithm for computing
@@ -75,8 +75,9 @@ def _finalize_kernel(
     CUMULATIVE: tl.constexpr, INC_NBT: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """Write one BatchNorm's pack (5, C) fp32: mean, biased var, invstd = 1/√(var + eps),
-    scale = γ·invstd, shift = β − mean·scale (γ = 1, β = 0 without affine).
+    """Write one BatchNorm's pack (9, C) fp32: rows 0-4 mean, biased var, invstd = 1/√(var + eps),
+    scale = γ·invstd, shift = β − mean·scale, and row 8 γ (γ = 1, β = 0 without affine; rows 5-7 are
+    the fprop kernel's scratch).
 
     MODE 0 (training): mean and var from the ``num_parts`` tiles of ``part`` (tiles, 2, C) — tile i
     holds ``min(M − i·rows_per_part, rows_per_part)`` rows — and, with UPDATE_RUNNING, the running
@@ -142,9 +143,11 @@ def _finalize_kernel(
             invstd = tl.load(rvar_ptr + cols, mask=cmask, other=1.0).to(tl.float32)
             var = 1.0 / (invstd * invstd) - eps
         if HAS_AFFINE:
-            scale = invstd * tl.load(gamma_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            gamma = tl.load(gamma_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            scale = invstd * gamma
             shift = tl.fma(-mean, scale, tl.load(beta_ptr + cols, mask=cmask, other=0.0).to(tl.float32))
         else:
+            gamma = tl.full([BLOCK_C], 1.0, tl.float32)
             scale = invstd
             shift = -mean * scale
         tl.store(pack_ptr + cols, mean, mask=cmask)
@@ -152,6 +155,7 @@ def _finalize_kernel(
         tl.store(pack_ptr + 2 * C + cols, invstd, mask=cmask)
         tl.store(pack_ptr + 3 * C + cols, scale, mask=cmask)
         tl.store(pack_ptr + 4 * C + cols, shift, mask=cmask)
+        tl.store(pack_ptr + 8 * C + cols, gamma, mask=cmask)
 
 
 @triton.jit
@@ -190,8 +194,9 @@ def _dx_kernel(
 ):
     """Training-mode BN backward, one elementwise pass, plus the weight gradients' split-K sums.
 
-    Programs ``[0, NUM_DX)``: ``dx = scale·(dz − c1 − x̂·c2)`` with ``x̂ = (x − mean)·invstd`` and the
-    coefficients ``coef = (c1, c2) = (Σdz, Σdz·x̂)/M_bn`` of the wgrad launch; dz is (M, C) contiguous,
+    Programs ``[0, NUM_DX)``: ``dx = ((dz − c1 − x̂·c2)·invstd)·γ`` with ``x̂ = (x − mean)·invstd`` —
+    eager's ``batch_norm_backward`` with γ last, so a γ near fp32's range does not overflow invstd·γ —
+    and the coefficients ``coef = (c1, c2) = (Σdz, Σdz·x̂)/M_bn`` of the wgrad launch; dz is (M, C) contiguous,
     x, dx and ``res`` (HAS_RES: the gradient reaching x through an identity shortcut, added here) go
     through their (n, h, w, c) strides. Grid rows: cdiv(M, BLOCK_M) × cdiv(C, BLOCK_C) programs.
     Programs ``[NUM_DX, NUM_DX + NUM_RED)``: :func:`_splitk_sum` of the conv's weight gradient
@@ -220,10 +225,11 @@ def _dx_kernel(
                     mask=mask, other=0.0).to(tl.float32)
         mu = tl.load(pack_ptr + cols, mask=cmask, other=0.0)
         istd = tl.load(pack_ptr + 2 * C + cols, mask=cmask, other=0.0)
-        sc = tl.load(pack_ptr + 3 * C + cols, mask=cmask, other=0.0)
+        gam = tl.load(pack_ptr + 8 * C + cols, mask=cmask, other=0.0)
         c1 = tl.load(coef_ptr + cols, mask=cmask, other=0.0)
         c2 = tl.load(coef_ptr + C + cols, mask=cmask, other=0.0)
-        dx = sc[None, :] * (dz - c1[None, :] - (x - mu[None, :]) * istd[None, :] * c2[None, :])
+        xhat = (x - mu[None, :]) * istd[None, :]
+        dx = ((dz - c1[None, :] - xhat * c2[None, :]) * istd[None, :]) * gam[None, :]
         if HAS_RES:
             dx += tl.load(res_ptr + (nb * srn + hi * srh + wi * srw)[:, None] + cols[None, :] * src,
                           mask=mask, other=0.0).to(tl.float32)

@@ -15,7 +15,7 @@ split-K count is a runtime value too).
 Tensors (logical shapes; every activation is addressed through its (n, h, w, c) strides, so NCHW and
 channels_last inputs and expanded gradients are read in place):
     x         (N, H, W, C)   BN input of the conv            w   (K, C/groups, R, S) weight, any strides
-    y, dy     (N, P, Q, K)   conv output / its gradient      pack (8, C) fp32: mean, var, invstd, scale, shift, scratch
+    y, dy     (N, P, Q, K)   conv output / its gradient      pack (9, C) fp32: mean, var, invstd, scale, shift, scratch, γ
     part      (tiles, 2, K)  fp32 per-tile (mean, M2) of y   psum (tiles, 2, C) fp32 per-tile (Σdz, Σdz·x̂)
 
 The pre-activation is ``a = relu(x·scale + shift)`` with PyTorch's NaN semantics (``relu(NaN) = NaN``,
@@ -42,13 +42,15 @@ from fused_preact.ops.triton.kernels_grad import (
 )
 from fused_preact.ops.triton.prologue16 import _channel_exponent, _pow2, _preact16_t, _relu_round, _vectors16_of
 
-# Rows of a pack: per-channel fp32 vectors of one BatchNorm, written by the finalize kernel.
+# Rows of a pack: per-channel fp32 vectors of one BatchNorm, written by the finalize kernel (rows 0-4
+# and PACK_GAMMA: γ, 1 without affine parameters).
 PACK_MEAN, PACK_VAR, PACK_INVSTD, PACK_SCALE, PACK_SHIFT = 0, 1, 2, 3, 4
 #: Rows PACK_ROWS16.. (three rows of C fp32 words) are the fprop kernel's scratch: the 16-bit prologue
 #: vectors it derives from rows 0-4 (``kernels_fprop._write_pack16``), or for an fp32 input under fp16
 #: operands the scaled fp32 scale and shift (``kernels_fprop._write_scaled32``).
 PACK_ROWS16 = tl.constexpr(5)
-PACK_ROWS = 8
+PACK_GAMMA = 8
+PACK_ROWS = 9
 
 
 @triton.jit
@@ -114,7 +116,7 @@ def _dgrad_kernel(
     tile's column sums Σdz, Σdz·x̂ into row ``pid_m`` of ``psum``.
 
     Stores ``dz`` (training: the dx pass finishes BN's backward) or, with WRITE_DX (eval mode or
-    externally given statistics), ``dx = scale·dz`` plus, with HAS_RES, the gradient ``res`` that
+    externally given statistics), ``dx = (dz·invstd)·γ`` plus, with HAS_RES, the gradient ``res`` that
     reaches x through an identity shortcut. HAS_PROJ adds the dgrad of a 1×1, stride-``STRIDE2``
     projection shortcut (``dy2``, ``w2`` (K2, C)) to ``da`` before the mask: conv1 and the projection
     read the same pre-activation. Grid: (cdiv(M, BLOCK_M), cdiv(C/GROUPS, BLOCK_N), GROUPS), or with a
@@ -355,8 +357,9 @@ def _dgrad_kernel(
     dz = tl.where(tile_mask & ~(z <= 0.0), acc, 0.0)
     orow = nb * son + hi * soh + wi * sow
     optr = out_ptr + orow[:, None] + c_in[None, :] * soc
-    if WRITE_DX:
-        dx = dz * sc[None, :]
+    if WRITE_DX:  # dz·invstd·γ, γ last (as eager: a γ near fp32's range does not overflow invstd·γ)
+        gam = tl.load(pack_ptr + 8 * C + c_in, mask=n_mask, other=0.0)
+        dx = (dz * istd[None, :]) * gam[None, :]
         if HAS_RES:
             rrow = nb * srn + hi * srh + wi * srw
             dx += tl.load(res_ptr + rrow[:, None] + c_in[None, :] * src, mask=tile_mask, other=0.0).to(tl.float32)

@@ -33,7 +33,7 @@ from __future__ import annotations
 from fused_preact.ops._common import tl, triton
 from fused_preact.ops.triton.kernels_bn import tile_mean_m2
 from fused_preact.ops.triton.kernels_conv import PACK_ROWS16, _load_row, _scale_shift
-from fused_preact.ops.triton.prologue16 import _pack16_absmax, _pow2, _pow2_exponent, _preact16, _relu_round
+from fused_preact.ops.triton.prologue16 import _centre16, _pack16_absmax, _pow2, _pow2_exponent, _preact16, _relu_round
 
 
 @triton.jit
@@ -61,7 +61,7 @@ def _load_tile(ptrs, mask_a, mask_b):
 
 @triton.jit
 def _pack16_ptrs(pack_ptr, C, DT: tl.constexpr):
-    """(16-bit vectors, the −1 word) in a pack's scratch rows: −m̃, s̃, b̃ (C values of ``DT`` each,
+    """(16-bit vectors, the −1 word) in a pack's scratch rows: −h̃, s̃, b̃ (C values of ``DT`` each,
     contiguous), then one int32 word −1 (the row mask of the padded transform)."""
     v16 = (pack_ptr + PACK_ROWS16 * C).to(tl.pointer_type(DT), bitcast=True)
     ones = (pack_ptr + PACK_ROWS16 * C + (3 * C + 1) // 2).to(tl.pointer_type(tl.int32), bitcast=True)
@@ -82,7 +82,7 @@ def _scale_exponent(pack_ptr, C, pack2_ptr, C2, HAS_PROJ: tl.constexpr, DT: tl.c
 @triton.jit
 def _write_pack16(pack_ptr, c_lo, n_ch, C, down, DT: tl.constexpr, BLOCK: tl.constexpr):
     """Write the 16-bit transform vectors of channels ``[c_lo, c_lo + n_ch)`` into the pack's scratch
-    rows (:func:`_pack16_ptrs`): −m̃, s̃·2^−e and b̃·2^−e (``down`` = 2^−e, exact), each rounded once
+    rows (:func:`_pack16_ptrs`): −h̃, s̃·2^−e and b̃·2^−e (``down`` = 2^−e, exact), each rounded once
     from fp32; and the −1 word. Every program writes the same values; a CTA barrier after the call
     makes them visible to the program's own loads."""
     v16, ones = _pack16_ptrs(pack_ptr, C, DT)
@@ -94,9 +94,13 @@ def _write_pack16(pack_ptr, c_lo, n_ch, C, down, DT: tl.constexpr, BLOCK: tl.con
         shift = tl.load(pack_ptr + 4 * C + cols, mask=cm, other=0.0)
         # The values of prologue16._vectors16, written out: calling it reorders these stores, and ptxas
         # then schedules the fp16 loops of 16-channel tiles worse (static: 9.25 → 10.75 for a 3×3).
-        tl.store(v16 + cols, (-mean).to(DT), mask=cm)
-        tl.store(v16 + C + cols, (scale * down).to(DT), mask=cm)
-        tl.store(v16 + 2 * C + cols, (tl.fma(mean.to(DT).to(tl.float32), scale, shift) * down).to(DT), mask=cm)
+        if DT == tl.float16:  # halved: x/2 − h̃ cannot overflow
+            tl.store(v16 + cols, (mean * -0.5).to(DT), mask=cm)
+            tl.store(v16 + C + cols, (scale * (2.0 * down)).to(DT), mask=cm)
+        else:
+            tl.store(v16 + cols, (-mean).to(DT), mask=cm)
+            tl.store(v16 + C + cols, (scale * down).to(DT), mask=cm)
+        tl.store(v16 + 2 * C + cols, (tl.fma(_centre16(mean, DT), scale, shift) * down).to(DT), mask=cm)
     tl.store(ones, -1)
 
 

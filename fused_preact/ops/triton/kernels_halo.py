@@ -44,7 +44,7 @@ def _stage_halo(x_ptr, sxn, sxh, sxw, sxc, st, i0, HALO, Nimg, H, W, Hp, Wp, v0,
                 X16: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_K: tl.constexpr, STAGE_ROWS: tl.constexpr):
     """Rows ``[i0, i0 + HALO)`` of the zero-padded, transformed input (padded pixel index
     ``(n·Hp + hp)·Wp + wp``) into ``st`` (HALO × BLOCK_K, the operand dtype), 0 in the padding and past
-    the last image; inside it, for a 16-bit x (X16) ``relu((x − m̃)·s̃ + b̃)`` (``v0, v1, v2`` = −m̃, s̃,
+    the last image; inside it, for a 16-bit x (X16) ``relu((x/2 − h̃)·s̃ + b̃)`` (``v0, v1, v2`` = −h̃, s̃,
     b̃ of :func:`.prologue16._vectors16`), for an fp32 x ``relu(x·scale + shift)`` in fp32 rounded to
     DOT_DTYPE (``v0, v1`` = scale, shift, scaled as fp16's e requires; :func:`.prologue16._relu_round`)."""
     kk = tl.arange(0, BLOCK_K)

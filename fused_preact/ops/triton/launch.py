@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
+from enum import IntEnum
 from typing import Iterator, Optional
 
 import torch
@@ -32,7 +34,8 @@ from fused_preact.ops.triton.configs import (
     p2,
 )
 
-__all__ = ["Launch", "recording", "conv_label", "magic", "stats_partial", "finalize", "fprop", "dgrad", "wgrad", "dx"]
+__all__ = ["Launch", "Pro16", "SumMode", "recording", "conv_label", "magic", "stats_partial", "finalize", "fprop",
+           "dgrad", "wgrad", "dx"]
 
 
 @dataclasses.dataclass
@@ -77,6 +80,19 @@ def recording() -> Iterator[list]:
 
 def _record(name: str, fn, grid: tuple, args: tuple, kwargs: dict, conv: str = "") -> None:
     _active().append(Launch(name, fn, grid, args, kwargs, conv))
+
+
+def _launcher(name: str, fn, grid: tuple, conv: str = ""):
+    """What a launcher calls with its arguments: ``fn[grid]`` (Triton's launch), or inside
+    :func:`recording` a callable that records the :class:`Launch` (``name``, ``conv``: its labels)
+    instead. The launch itself adds no frame of ours."""
+    if _active() is None:
+        return fn[grid]
+    return functools.partial(_record_call, name, fn, grid, conv)
+
+
+def _record_call(name: str, fn, grid: tuple, conv: str, *args, **kwargs) -> None:
+    _record(name, fn, grid, args, kwargs, conv)
 
 
 def conv_label(geom: ConvGeom, in_shape, out_shape) -> str:
@@ -141,10 +157,27 @@ def _geo(g: ConvGeom, in_shape, out_shape) -> dict:
                 DIL_H=g.dilation[0], DIL_W=g.dilation[1])
 
 
+class Pro16(IntEnum):
+    """How the kernels transform 16-bit inputs (their ``PRO16`` constexpr, passed as its int)."""
+
+    FP32 = 0         #: an fp32 compute dtype: the fp32 transform
+    INTERPRETER = 1  #: the packed 16-bit transform's interpreter form (:mod:`.prologue16`)
+    PTX = 2          #: the packed 16-bit transform in inline PTX (compiled kernels)
+
+
+class SumMode(IntEnum):
+    """What wgrad's fold programs make of dgrad's per-tile Σdz, Σdz·x̂ (the ``SUM_MODE`` constexpr)."""
+
+    NONE = 0      #: no sums (a projection shortcut's own wgrad launch)
+    BATCH = 1     #: batch statistics: dβ, dγ and the dx coefficients
+    EXTERNAL = 2  #: statistics given from outside: dβ, dγ and the statistics' gradients
+
+
 def _pro16(cdtype: torch.dtype) -> int:
-    """The packed 16-bit transform of 16-bit inputs: 0 (fp32 compute dtype: fp32 transform), 1 (its
-    interpreter form) or 2 (inline PTX; compiled kernels)."""
-    return 0 if cdtype not in (torch.float16, torch.bfloat16) else 1 if interpreting() else 2
+    """:class:`Pro16` of a launch in compute dtype ``cdtype``, as the kernels' int."""
+    if cdtype not in (torch.float16, torch.bfloat16):
+        return int(Pro16.FP32)
+    return int(Pro16.INTERPRETER if interpreting() else Pro16.PTX)
 
 
 def _dot(cdtype: torch.dtype, idx64: bool) -> dict:
@@ -161,10 +194,7 @@ def stats_partial(*, x: torch.Tensor, x_strides, part: torch.Tensor, shape, rows
     grid = (num_parts, triton.cdiv(C, block_c))
     args = (x, *x_strides, part, M)
     kw = dict(H=H, W=W, C=C, IDX64=idx64, BLOCK_M=rows, BLOCK_C=block_c, num_warps=1 if interpreting() else 8)
-    if _active() is not None:
-        _record("stats", BK._stats_partial_kernel, grid, args, kw)
-    else:
-        BK._stats_partial_kernel[grid](*args, **kw)
+    _launcher("stats", BK._stats_partial_kernel, grid)(*args, **kw)
     return num_parts
 
 
@@ -181,12 +211,9 @@ def finalize(*, pack: torch.Tensor, C: int, mode: BNMode, part: Optional[torch.T
     inc = mode.update and nbt is not None
     args = (part, num_parts, count, rows, unbias, pack, gamma, beta, mean_src, var_src, nbt,
             float(momentum or 0.0), float(eps))
-    kw = dict(C=C, MODE=mode.kind, HAS_AFFINE=mode.affine, UPDATE_RUNNING=mode.update, CUMULATIVE=mode.cumulative,
+    kw = dict(C=C, MODE=int(mode.kind), HAS_AFFINE=mode.affine, UPDATE_RUNNING=mode.update, CUMULATIVE=mode.cumulative,
               INC_NBT=inc, BLOCK_C=block_c, BLOCK_P=_block_p(num_parts))
-    if _active() is not None:
-        _record("finalize", BK._finalize_kernel, grid, args, kw)
-    else:
-        BK._finalize_kernel[grid](*args, **kw)
+    _launcher("finalize", BK._finalize_kernel, grid)(*args, **kw)
 
 
 # ----------------------------------------------------------------------------------------- fprop
@@ -232,10 +259,7 @@ def fprop(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Tensor, 
               ONE_CK=Cg <= cfg.BLOCK_K, QUAD=quad, STEPS=steps if one_iter else 0,
               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, BLOCK_K2=block_k2,
               UNROLL=cfg.unroll, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if _active() is not None:
-        _record(name, FK._fprop_kernel, grid, args, kw, conv_label(g, u.in_shape, u.out_shape))
-    else:
-        FK._fprop_kernel[grid](*args, **kw)
+    _launcher(name, FK._fprop_kernel, grid, conv_label(g, u.in_shape, u.out_shape))(*args, **kw)
 
 
 def _fprop_halo(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Tensor, bias: Optional[torch.Tensor],
@@ -270,10 +294,7 @@ def _fprop_halo(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Te
               HAS_RES=res is not None, STATS=part is not None, **_dot(cdtype, idx64), PRO16=_pro16(cdtype),
               EVEN_N=K % cfg.BLOCK_N == 0, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
               STAGE_ROWS=128, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if _active() is not None:
-        _record(name, HK._fprop_halo_kernel, grid, args, kw, conv_label(g, u.in_shape, u.out_shape))
-    else:
-        HK._fprop_halo_kernel[grid](*args, **kw)
+    _launcher(name, HK._fprop_halo_kernel, grid, conv_label(g, u.in_shape, u.out_shape))(*args, **kw)
 
 
 # ----------------------------------------------------------------------------------------- dgrad
@@ -284,7 +305,7 @@ def dgrad(u: UnitPlan, *, dy: torch.Tensor, dy_strides, w: torch.Tensor, x: torc
           res_strides=(0, 0, 0, 0)) -> None:
     """``da = dgrad(dy, w)`` (+ the projection's ``dgrad(dy2, w2)``) for unit ``u``; epilogue: ReLU
     mask recomputed from ``x`` (u's input), per-tile Σdz, Σdz·x̂ into ``psum``; stores dz, or with
-    ``write_dx`` ``dx = scale·dz`` (+ ``res``, the identity shortcut's gradient), into ``out``."""
+    ``write_dx`` ``dx = (dz·invstd)·γ`` (+ ``res``, the identity shortcut's gradient), into ``out``."""
     g, cfg = u.geom, u.dcfg
     C = u.in_shape[1]
     m_tiles, phases = u.dgrad_tiles()
@@ -306,16 +327,13 @@ def dgrad(u: UnitPlan, *, dy: torch.Tensor, dy_strides, w: torch.Tensor, x: torc
               EVEN_K2=K2 % block_k2 == 0, **_dot(cdtype, idx64), ASM=not interpreting(),
               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, BLOCK_K2=block_k2, SLOTS=cfg.slots,
               STEPS=int(one_step), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if _active() is not None:
-        _record("dgrad", CK._dgrad_kernel, grid, args, kw, conv_label(g, u.in_shape, u.out_shape))
-    else:
-        CK._dgrad_kernel[grid](*args, **kw)
+    _launcher("dgrad", CK._dgrad_kernel, grid, conv_label(g, u.in_shape, u.out_shape))(*args, **kw)
 
 
 # ----------------------------------------------------------------------------------------- wgrad
 def wgrad(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmConfig, split: int, dy: torch.Tensor,
           dy_strides, x: torch.Tensor, pack: torch.Tensor, dw: Optional[torch.Tensor], dw_strides,
-          cdtype: torch.dtype, idx64: bool, sum_mode: int = 0, psum: Optional[torch.Tensor] = None,
+          cdtype: torch.dtype, idx64: bool, sum_mode: SumMode = SumMode.NONE, psum: Optional[torch.Tensor] = None,
           num_parts: int = 0, dbeta=None, dgamma=None, coef: Optional[torch.Tensor] = None,
           inv_count: float = 1.0, fold: bool = True) -> None:
     """``dw = wgrad(dy, relu(x·scale + shift))`` (stored in dw's dtype and ``dw_strides``; with
@@ -364,21 +382,17 @@ def wgrad(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmConfig, s
               LINEAR=linear, XW=in_strides[2] if const_pix else 0, DW=dy_strides[2] if const_pix else 0,
               WHOLE=whole,
               EVEN_M=M % step == 0, EVEN_K=K // g.groups % cfg.BLOCK_M == 0,
-              EVEN_C=C // g.groups % cfg.BLOCK_N == 0, SUM_MODE=sum_mode, HAS_GAMMA=dgamma is not None,
+              EVEN_C=C // g.groups % cfg.BLOCK_N == 0, SUM_MODE=int(sum_mode), HAS_GAMMA=dgamma is not None,
               **_dot(cdtype, idx64), PRO16=_pro16(cdtype), PTX=not interpreting(), BLOCK_M=cfg.BLOCK_M,
               BLOCK_N=cfg.BLOCK_N, BLOCK_R=cfg.BLOCK_K,
               BLOCK_C=block_c if fold else 16, BLOCK_P=block_p if fold else 16, UNROLL=cfg.unroll,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if _active() is not None:
-        _record("wgrad" if fold else "wgrad_proj", CK._wgrad_kernel, grid, args, kw,
-                conv_label(g, in_shape, out_shape))
-    else:
-        CK._wgrad_kernel[grid](*args, **kw)
+    _launcher("wgrad" if fold else "wgrad_proj", CK._wgrad_kernel, grid, conv_label(g, in_shape, out_shape))(*args, **kw)
 
 
 def _wgrad_halo(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmConfig, split: int, dy: torch.Tensor,
                 dy_strides, x: torch.Tensor, pack: torch.Tensor, dw: torch.Tensor, dw_strides, cdtype: torch.dtype,
-                idx64: bool, sum_mode: int, psum: Optional[torch.Tensor], num_parts: int, dbeta, dgamma,
+                idx64: bool, sum_mode: SumMode, psum: Optional[torch.Tensor], num_parts: int, dbeta, dgamma,
                 coef: Optional[torch.Tensor], inv_count: float) -> None:
     """:func:`wgrad` through the staged halo (``kernels_halo._wgrad_halo_kernel``; ``cfg.halo``): ``split``
     programs of :func:`~.configs.halo_chunk` output image rows each (with ``split`` > 1 fp32 partials
@@ -409,13 +423,10 @@ def _wgrad_halo(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmCon
             inv_count, N * P, halo, chunk, split)
     kw = dict(H=H, P=P, Q=Q, K=K, W=W, C=C, R=g.kernel[0], S=g.kernel[1], STRIDE_H=g.stride[0], STRIDE_W=g.stride[1],
               PAD_H=g.padding[0], PAD_W=g.padding[1], DIL_H=g.dilation[0], DIL_W=g.dilation[1], SPLIT_K=split > 1,
-              EVEN_K=K == cfg.BLOCK_M, SUM_MODE=sum_mode, HAS_GAMMA=dgamma is not None, **_dot(cdtype, idx64),
+              EVEN_K=K == cfg.BLOCK_M, SUM_MODE=int(sum_mode), HAS_GAMMA=dgamma is not None, **_dot(cdtype, idx64),
               PRO16=_pro16(cdtype), BLOCK_M=cfg.BLOCK_M, BLOCK_R=cfg.BLOCK_K, RPI=rpi, BLOCK_C=block_c,
               BLOCK_P=_block_p(num_parts), STAGE_ROWS=128, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if _active() is not None:
-        _record("wgrad", HK._wgrad_halo_kernel, grid, args, kw, conv_label(g, in_shape, out_shape))
-    else:
-        HK._wgrad_halo_kernel[grid](*args, **kw)
+    _launcher("wgrad", HK._wgrad_halo_kernel, grid, conv_label(g, in_shape, out_shape))(*args, **kw)
 
 
 # -------------------------------------------------------------------------------------------- dx
@@ -447,7 +458,4 @@ def dx(*, geom: ConvGeom, shape, x: torch.Tensor, x_strides, pack: torch.Tensor,
               R1=geom.kernel[0], S1=geom.kernel[1], SPLIT1=split1, HAS_RED1=n_red1 > 0,
               K2=k2, CG2=C, SPLIT2=split2, HAS_RED2=n_red2 > 0, BLOCK_M=bm, BLOCK_C=bc, BLOCK_E=FOLD_BLOCK,
               num_warps=4)
-    if _active() is not None:
-        _record("dx", BK._dx_kernel, grid, args, kw)
-    else:
-        BK._dx_kernel[grid](*args, **kw)
+    _launcher("dx", BK._dx_kernel, grid)(*args, **kw)

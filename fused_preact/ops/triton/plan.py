@@ -431,7 +431,7 @@ class TritonPlan:
         m_tiles, phases = u.dgrad_tiles()
         launch.wgrad(geom=g, in_shape=u.in_shape, out_shape=u.out_shape, in_strides=u.in_strides, cfg=u.wcfg,
                      split=u.split, dy=g_out, dy_strides=g_strides, x=xin, pack=pack, dw=dw_target, dw_strides=sdw,
-                     sum_mode=(2 if kind == EXTERNAL else 1) if need_sums else 0, psum=psum,
+                     sum_mode=_sum_mode(kind) if need_sums else launch.SumMode.NONE, psum=psum,
                      num_parts=m_tiles * phases, dbeta=grads.betas[i], dgamma=grads.gammas[i], coef=coef,
                      inv_count=1.0 / u.M_in, **cd)
         dpw = grads.proj_weight if proj else None
@@ -452,6 +452,11 @@ class TritonPlan:
                   k2=spec.proj.out_channels if proj else 1, split2=self.proj_split)
         if kind == EXTERNAL:
             grads.ext_stats = tuple(coef.view(2, C).unbind(0))
+
+
+def _sum_mode(kind: int) -> "launch.SumMode":
+    """The fold's :class:`~.launch.SumMode` for a unit whose BatchNorm has mode ``kind``."""
+    return launch.SumMode.EXTERNAL if kind == EXTERNAL else launch.SumMode.BATCH
 
 
 # ---------------------------------------------------------------------------------------- tuning

@@ -9,7 +9,11 @@ two roundings to ``DT`` (``d = x − m̃``, exact for x within a factor 2 of m̃
 multiply-add), a ReLU that keeps NaN and maps −inf to 0, and an exponent ``e`` (fp16 only; 0 for
 bf16) that brings the vectors into fp16's range — down below 2^15, or up into [1/4, 1/2) from below
 1/4 (:func:`_pow2_exponent`); the kernel multiplies its fp32 accumulator by 2^e, so both scalings
-are exact. On a GPU each pair of elements is two packed instructions
+are exact. fp16 takes the difference halved, ``d = fp16(x/2 − h̃)`` with h̃ = fp16(mean/2), m̃ = 2h̃
+and the scale doubled: halving is exact in the normal range, so ``d·s̃`` is the same product bit for
+bit, but ``|d| ≤ (|x| + |m̃|)/2`` cannot overflow, where ``x − m̃`` itself does whenever a value lies
+more than 65,504 from its channel's mean (bf16's range has no such case). On a GPU each pair of
+elements is two packed instructions
 (``fma.rn{.relu}.{bf16x2,f16x2}``, PTX ISA 7.8, sm_80+); under Triton's interpreter, where inline PTX
 does not run, the same roundings are computed from exact float64 sums and products.
 
@@ -29,20 +33,32 @@ _FP16_UP_BELOW = tl.constexpr(127 - 2)
 
 
 @triton.jit
+def _centre16(mean, DT: tl.constexpr):
+    """m̃ in fp32, the centre of the transform: 2·fp16(mean/2) for fp16 (fp16(mean) wherever mean/2 is
+    normal), bf16(mean) for bf16."""
+    if DT == tl.float16:
+        c = (mean * 0.5).to(DT).to(tl.float32) * 2.0
+    else:
+        c = mean.to(DT).to(tl.float32)
+    return c
+
+
+@triton.jit
 def _absmax16(mean, scale, shift, DT: tl.constexpr, WITH_SHIFT: tl.constexpr, PER_TERM: tl.constexpr):
-    """Per channel, the largest of |scale| and |shift + m̃·scale| (with WITH_SHIFT also |shift|, the
-    value ``(0 − m̃)·s̃ + b̃`` approaches) if it is finite, else 0 (NaN and inf are not counted); with
+    """Per channel, the largest of |2·scale| and |shift + m̃·scale| (the unscaled s̃ and b̃ of
+    :func:`_vectors16`; with WITH_SHIFT also |shift|, the value ``(0 − m̃)·scale + b̃`` approaches) if it
+    is finite, else 0 (NaN and inf are not counted); with
     PER_TERM each term counted where it is finite (a channel with β = −inf still bounds a call's
     exponent by its scale: scaled up from the other channels' tiny vectors, its finite scale would
     make inf − inf = NaN)."""
-    t = tl.fma(mean.to(DT).to(tl.float32), scale, shift)
+    t = tl.fma(_centre16(mean, DT), scale, shift)
+    s2 = 2.0 * tl.abs(scale) if DT == tl.float16 else tl.abs(scale)
     if PER_TERM:
-        v = tl.maximum(tl.where(tl.abs(scale) < float("inf"), tl.abs(scale), 0.0),
-                       tl.where(tl.abs(t) < float("inf"), tl.abs(t), 0.0))
+        v = tl.maximum(tl.where(s2 < float("inf"), s2, 0.0), tl.where(tl.abs(t) < float("inf"), tl.abs(t), 0.0))
         if WITH_SHIFT:
             v = tl.maximum(v, tl.where(tl.abs(shift) < float("inf"), tl.abs(shift), 0.0))
     else:
-        v = tl.maximum(tl.abs(scale), tl.abs(t))
+        v = tl.maximum(s2, tl.abs(t))
         if WITH_SHIFT:
             v = tl.maximum(v, tl.abs(shift))
         v = tl.where(v < float("inf"), v, 0.0)
@@ -69,7 +85,7 @@ def _pow2_exponent(absmax, UP: tl.constexpr):
     """e such that absmax·2^−e < 2^15: the biased fp32 exponent of ``absmax`` beyond 127 + 14, else 0;
     with UP (16-bit activations) also e < 0 where absmax < 1/4, so that absmax·2^−e ∈ [1/4, 1/2):
     vectors below fp16's normal range (6.1e-5: a BatchNorm scale γ/σ of a wide input) keep their
-    precision, and since |x − m̃| ≤ 2·65504 for 16-bit x and each of |s̃|, |b̃| is then < 1/2, the
+    precision, and since |d| ≤ 65504 for 16-bit x and each of |s̃|, |b̃| is then < 1/2, the
     scaled pre-activation stays finite. e ≥ −100 (2^e and 2^−e normal in fp32); 0 for an absmax of 0
     (a channel's :func:`_absmax16` with a non-finite vector, e.g. β = −inf, or all-zero vectors: a
     finite scale beside an infinite shift must not be scaled up to inf, where inf − inf is NaN)."""
@@ -88,12 +104,16 @@ def _pow2(e):
 
 @triton.jit
 def _vectors16(mean, scale, shift, down, DT: tl.constexpr):
-    """(−m̃, s̃, b̃) in ``DT`` from the fp32 mean, scale and shift of a pack (``down`` = 2^−e): each
-    rounded once from fp32. −m̃ is rounded from −mean (rounding is symmetric; negating 16-bit values
-    misbehaves in the interpreter)."""
-    nm = (-mean).to(DT)
-    s = (scale * down).to(DT)
-    b = (tl.fma(mean.to(DT).to(tl.float32), scale, shift) * down).to(DT)
+    """(−h̃, s̃, b̃) (fp16) or (−m̃, s̃, b̃) (bf16, whose x − m̃ cannot overflow: no halving) in ``DT`` from
+    the fp32 mean, scale and shift of a pack (``down`` = 2^−e): each rounded once from fp32. −h̃ is
+    rounded from −mean/2 (rounding is symmetric; negating 16-bit values misbehaves in the interpreter)."""
+    if DT == tl.float16:
+        nm = (mean * -0.5).to(DT)
+        s = (scale * (2.0 * down)).to(DT)
+    else:
+        nm = (-mean).to(DT)
+        s = (scale * down).to(DT)
+    b = (tl.fma(_centre16(mean, DT), scale, shift) * down).to(DT)
     return nm, s, b
 
 
@@ -144,7 +164,8 @@ def _relu_round(z, DT: tl.constexpr, PTX: tl.constexpr):
 
 @triton.jit
 def _preact16_2d(xt, nm2, s2, b2, keep2, HAS_KEEP: tl.constexpr, PTX: tl.constexpr):
-    """``relu((x + nm)·s + b)`` of a 16-bit tile in its dtype, with the vectors already broadcast to the
+    """``relu((x·h + nm)·s + b)`` (h = ½ for fp16, 1 for bf16: :func:`_vectors16`) of a 16-bit tile in
+    its dtype, with the vectors already broadcast to the
     tile's shape; 0 where the int32 ``keep2`` is 0 (−1: kept; HAS_KEEP).
 
     PTX: packed instructions, two elements each; the mask is an AND with the low half of the first
@@ -156,21 +177,23 @@ def _preact16_2d(xt, nm2, s2, b2, keep2, HAS_KEEP: tl.constexpr, PTX: tl.constex
     differ from the GPU's in the last bit; fp16 ones do not)."""
     DT: tl.constexpr = xt.dtype
     if PTX:
-        ONE: tl.constexpr = "0x3F803F80" if DT == tl.bfloat16 else "0x3C003C00"
+        # x·1 + (−m̃) for bf16, x·½ + (−h̃) for fp16 (see the module docstring)
+        HALF: tl.constexpr = "0x3F803F80" if DT == tl.bfloat16 else "0x38003800"
         SFX: tl.constexpr = "bf16x2" if DT == tl.bfloat16 else "f16x2"
         if HAS_KEEP:  # keep2 int32: one register per element, $5 and $6
             a = tl.inline_asm_elementwise(
-                "{ .reg .b32 t, one, k; mov.b32 one, " + ONE + "; fma.rn." + SFX + " t, $1, one, $2; fma.rn.relu."
+                "{ .reg .b32 t, half, k; mov.b32 half, " + HALF + "; fma.rn." + SFX + " t, $1, half, $2; fma.rn.relu."
                 + SFX + " t, t, $3, $4; prmt.b32 k, $5, $6, 0x7610; and.b32 $0, t, k; }",
                 "=r,r,r,r,r,r,r", [xt, nm2, s2, b2, keep2], dtype=xt.dtype, is_pure=True, pack=2)
         else:
             a = tl.inline_asm_elementwise(
-                "{ .reg .b32 t, one; mov.b32 one, " + ONE + "; fma.rn." + SFX + " t, $1, one, $2; fma.rn.relu."
+                "{ .reg .b32 t, half; mov.b32 half, " + HALF + "; fma.rn." + SFX + " t, $1, half, $2; fma.rn.relu."
                 + SFX + " $0, t, $3, $4; }",
                 "=r,r,r,r,r", [xt, nm2, s2, b2], dtype=xt.dtype, is_pure=True, pack=2)
     else:
         VIA: tl.constexpr = tl.float32 if DT == tl.bfloat16 else tl.float64
-        d = (xt.to(tl.float64) + nm2.to(tl.float64)).to(VIA).to(DT)
+        HX: tl.constexpr = 1.0 if DT == tl.bfloat16 else 0.5
+        d = (xt.to(tl.float64) * HX + nm2.to(tl.float64)).to(VIA).to(DT)
         z = d.to(tl.float64) * s2.to(tl.float64) + b2.to(tl.float64)
         a = tl.where(z < 0.0, 0.0, z).to(VIA).to(DT)
         if HAS_KEEP:
@@ -180,7 +203,7 @@ def _preact16_2d(xt, nm2, s2, b2, keep2, HAS_KEEP: tl.constexpr, PTX: tl.constex
 
 @triton.jit
 def _preact16(xt, nm, s, b, keep, HAS_KEEP: tl.constexpr, PTX: tl.constexpr):
-    """:func:`_preact16_2d` of an (rows × channels) tile: ``nm`` = −m̃, ``s``, ``b`` vectors over its
+    """:func:`_preact16_2d` of an (rows × channels) tile: ``nm`` = −h̃, ``s``, ``b`` vectors over its
     columns, ``keep`` an int32 vector over its rows (−1: kept, 0: zeroed; HAS_KEEP)."""
     BM: tl.constexpr = xt.shape[0]
     BK: tl.constexpr = xt.shape[1]
