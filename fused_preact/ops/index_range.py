@@ -30,7 +30,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from fused_preact.ops._common import nhwc_strides
+from fused_preact.ops._common import nhwc_strides, nhwc_strides_of
+from fused_preact.ops.triton.configs import contig_nhwc
 
 __all__ = ["INT32_MAX", "ROW_LIMIT", "max_offset", "image_reach", "chain_margin", "range_reasons",
            "needs_idx64", "within_reach"]
@@ -76,9 +77,8 @@ def range_reasons(shapes: Sequence[tuple], x_strides, margin: tuple[int, int] = 
     if rows >= ROW_LIMIT:
         reasons.append(f"index range: {rows} pixel rows (N·H·W, padded) reach 2**31 - 2**16; the kernels' row "
                        "index is int32")
-    sn, sc, sh, sw = x_strides
-    reach = max([image_reach(shapes[0], (sn, sh, sw, sc), margin)]
-                + [image_reach(s, (0, s[3] * s[1], s[1], 1), margin) for s in shapes])
+    reach = max([image_reach(shapes[0], nhwc_strides_of(x_strides), margin)]
+                + [image_reach(s, contig_nhwc(s), margin) for s in shapes])
     if reach >= INT32_MAX:
         reasons.append(f"index range: in-image offsets up to {reach} elements reach 2**31 - 1 (one image of "
                        "over 2**31 elements, or strides that wide); the kernels' in-image offsets are int32")
