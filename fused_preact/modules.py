@@ -33,6 +33,7 @@ from fused_preact.ops import (
     ConvGeom,
     PlanCache,
     StatsHandoff,
+    UnitTensors,
     run_chain,
     select_backend,
 )
@@ -91,22 +92,13 @@ def _conv_reasons(conv: nn.Conv2d) -> list[str]:
 
 def _tensors(units: list, proj: Optional[nn.Conv2d], residual: Optional[torch.Tensor],
              modes: tuple[BNMode, ...]) -> ChainTensors:
-    t = ChainTensors([], [], [], [], [], [], [], [], [])
+    per_unit = []
     for (bn, conv), mode in zip(units, modes):
-        t.weights.append(conv.weight)
-        t.biases.append(conv.bias)
-        gamma, beta = _gamma_beta(bn)
-        t.gammas.append(gamma)
-        t.betas.append(beta)
         keep = mode.kind == RUNNING or mode.update
-        t.running_means.append(bn.running_mean if keep else None)
-        t.running_vars.append(bn.running_var if keep else None)
-        t.num_batches.append(bn.num_batches_tracked if mode.update else None)
-        t.momenta.append(bn.momentum)
-        t.eps.append(bn.eps)
-    t.proj_weight = proj.weight if proj is not None else None
-    t.residual = residual
-    return t
+        per_unit.append(UnitTensors(conv.weight, conv.bias, *_gamma_beta(bn), bn.running_mean if keep else None,
+                                    bn.running_var if keep else None,
+                                    bn.num_batches_tracked if mode.update else None, bn.momentum, bn.eps))
+    return ChainTensors(per_unit, proj.weight if proj is not None else None, residual)
 
 
 def _spec(units: list, proj: Optional[nn.Conv2d], proj_out: str, residual: str) -> ChainSpec:

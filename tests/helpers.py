@@ -9,6 +9,7 @@ import torch
 from conftest import DEVICE
 
 from fused_preact.ops.backends import BACKENDS
+from fused_preact.ops.dtypes import TRAITS
 from fused_preact.ops.validate import EAGER_FLOOR, EAGER_RATIO, ErrorPool, rule_violations
 
 #: The backends that replace eager BN → ReLU → Conv with their own kernels or recomputation and serve
@@ -17,15 +18,11 @@ from fused_preact.ops.validate import EAGER_FLOOR, EAGER_RATIO, ErrorPool, rule_
 FUSED_BACKENDS = tuple(n for n, b in BACKENDS.items()
                        if b.fused and not b.not_supported_reasons(torch.empty(1, device=DEVICE).expand(1, 8, 1, 1)))
 
-#: Max-norm relative tolerance per compute dtype: ``max|got − ref| ≤ tol · max(|ref|, floor)``.
-#: fp32 against a float64 reference; fp16/bf16 against the float64 reference of the same
-#: (rounded) inputs, so the tolerance covers the 16-bit activations and outputs.
-TOL = {
-    torch.float32: 1e-4,
-    torch.float16: 1e-2,
-    torch.bfloat16: 4e-2,
-    torch.float64: 1e-10,
-}
+#: Max-norm relative tolerance per compute dtype (``fused_preact.ops.dtypes``' ``test_tol``):
+#: ``max|got − ref| ≤ tol · max(|ref|, floor)``. fp32 against a float64 reference; fp16/bf16 against
+#: the float64 reference of the same (rounded) inputs, so the tolerance covers the 16-bit activations
+#: and outputs.
+TOL = {d: t.test_tol for d, t in TRAITS.items()}
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:

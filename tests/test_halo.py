@@ -22,6 +22,7 @@ from test_op import _run
 
 import fused_preact.ops.bn_relu_conv as op_mod
 import fused_preact.ops.triton.configs as configs
+import fused_preact.ops.triton.layout as triton_layout
 import fused_preact.ops.triton.plan as triton_plans
 from fused_preact import FusedBNReLUConv2d, FusedPreActBlock
 from fused_preact.models import PreActBlock
@@ -50,14 +51,14 @@ def _force_halo(monkeypatch, block_m: int) -> list:
     """Every fprop of 16-bit compute over several taps and 16 or 32 input channels (groups 1 in these
     tests) without a projection beside it runs on a ``block_m``-row halo tile; the others keep their
     default tiles."""
-    original = triton_plans.fprop_config
+    original = triton_layout.fprop_config
 
     def config(M, Kg, Cg, dtype, stats, arch=0, x32=False, taps=1, proj=False, halo=False):
         if taps > 1 and Cg in (16, 32) and dtype != torch.float32 and not proj:  # (the GPU tiles' staging bound aside)
             return GemmConfig(block_m, p2(Kg, 16, 32), Cg, halo=True)
         return original(M, Kg, Cg, dtype, stats, arch, x32, taps, proj, halo)
 
-    monkeypatch.setattr(triton_plans, "fprop_config", config)
+    monkeypatch.setattr(triton_layout, "fprop_config", config)
     monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())  # plans are cached: start from none
     seen: list = []
     monkeypatch.setattr(launch.HK, "_fprop_halo_kernel", _Spy(launch.HK._fprop_halo_kernel, seen))
@@ -309,7 +310,7 @@ def test_halo_geometry():
 
 def test_halo_launch_refuses_more_outputs_than_its_tile(monkeypatch):
     """K > BLOCK_N would start several programs per row tile, all writing its staging region."""
-    monkeypatch.setattr(triton_plans, "fprop_config", lambda *a, **k: GemmConfig(16, 16, 16, halo=True))
+    monkeypatch.setattr(triton_layout, "fprop_config", lambda *a, **k: GemmConfig(16, 16, 16, halo=True))
     monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
     with pytest.raises(ValueError, match="staged-halo"):
         _run((2, 16, 5, 5, 32, 3, 1, 1, 1, 1), True, True, torch.float16)
@@ -366,7 +367,7 @@ def test_halo_sync_tile_is_an_sm90_candidate(monkeypatch):
 
 def test_halo_launch_refuses_what_it_does_not_take(monkeypatch):
     """An fp32 conv forced onto a halo tile is refused with the reason, not run."""
-    monkeypatch.setattr(triton_plans, "fprop_config", lambda *a, **k: GemmConfig(16, 16, 16, halo=True))
+    monkeypatch.setattr(triton_layout, "fprop_config", lambda *a, **k: GemmConfig(16, 16, 16, halo=True))
     monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
     with pytest.raises(ValueError, match="staged-halo"):
         _run((2, 16, 5, 5, 16, 3, 1, 1, 1, 1), True, True, torch.float32)

@@ -19,6 +19,7 @@ from test_op import _run
 
 import fused_preact.ops.bn_relu_conv as op_mod
 import fused_preact.ops.triton.configs as configs
+import fused_preact.ops.triton.layout as triton_layout
 import fused_preact.ops.triton.plan as triton_plans
 from fused_preact import FusedBNReLUConv2d
 from fused_preact.ops.spec import ConvGeom
@@ -41,7 +42,7 @@ def _force_halo_wgrad(monkeypatch, rows: int, programs: int = 0) -> list:
     image rows fit ``rows`` (:func:`halo_wgrad_rows`' rule for that BLOCK_R) runs on a halo tile of
     ``rows`` output pixels per iteration, in ``programs`` programs (0: the plan's); the others keep
     their default tiles. Returns the halo launches' grids."""
-    original = triton_plans.wgrad_config
+    original = triton_layout.wgrad_config
 
     def config(Kg, Cg, M, dtype, arch=0, x32=False, strided=False, taps=1, halo=0, proj=False):
         if taps > 1 and Cg in (16, 32) and Kg <= 32 and dtype != torch.float32 and halo:
@@ -53,10 +54,10 @@ def _force_halo_wgrad(monkeypatch, rows: int, programs: int = 0) -> list:
         ok = g.groups == 1 and max(g.kernel) <= 3 and rows % Q == 0 and P % (rows // Q) == 0
         return rows if ok else 0
 
-    monkeypatch.setattr(triton_plans, "wgrad_config", config)
-    monkeypatch.setattr(triton_plans, "halo_wgrad_rows", geometry)
+    monkeypatch.setattr(triton_layout, "wgrad_config", config)
+    monkeypatch.setattr(triton_layout, "halo_wgrad_rows", geometry)
     if programs:
-        monkeypatch.setattr(triton_plans, "halo_wgrad_programs", lambda rows_total, rpi, device: programs)
+        monkeypatch.setattr(triton_layout, "halo_wgrad_programs", lambda rows_total, rpi, device: programs)
     monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())  # plans are cached: start from none
     seen: list = []
     monkeypatch.setattr(launch.HK, "_wgrad_halo_kernel", _Spy(launch.HK._wgrad_halo_kernel, seen))
@@ -97,7 +98,7 @@ def test_halo_wgrad_eval_and_one_program(monkeypatch):
     _run((2, 16, 8, 8, 16, 3, 1, 1, 1, 1), False, True, torch.float16)
     assert seen
     seen.clear()
-    monkeypatch.setattr(triton_plans, "halo_wgrad_programs", lambda rows_total, rpi, device: 1)
+    monkeypatch.setattr(triton_layout, "halo_wgrad_programs", lambda rows_total, rpi, device: 1)
     monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
     _run((2, 16, 8, 8, 16, 3, 1, 1, 1, 1), True, True, torch.float16)
     assert seen and seen[0][0] >= 1
@@ -275,7 +276,7 @@ def test_plans_choose_the_halo_wgrad(monkeypatch):
 def test_halo_wgrad_launch_refuses_what_it_does_not_take(monkeypatch):
     """A conv the kernel cannot take, forced onto a halo wgrad tile, is refused with the reason: fp32
     compute; an image width the tile's rows do not hold whole."""
-    monkeypatch.setattr(triton_plans, "wgrad_config", lambda *a, **k: GemmConfig(16, 16, 16, 1, 2, halo=True))
+    monkeypatch.setattr(triton_layout, "wgrad_config", lambda *a, **k: GemmConfig(16, 16, 16, 1, 2, halo=True))
     monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
     with pytest.raises(ValueError, match="staged-halo"):
         _run((2, 16, 4, 4, 16, 3, 1, 1, 1, 1), True, True, torch.float32)

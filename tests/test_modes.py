@@ -215,11 +215,11 @@ def test_autocast_unrolled_loops(monkeypatch, dtype):
     in wgrad: a 1×1 of 3 chunks (odd: the step after the loop), a 3×3 of 4 chunks (36 steps) and the
     one-conv chain with a projection of the same BatchNorm; output and every gradient within the
     16-bit tolerance of float64."""
-    import fused_preact.ops.triton.plan as triton_plans
+    import fused_preact.ops.triton.layout as triton_layout
     from fused_preact.ops.triton.configs import GemmConfig
 
-    monkeypatch.setattr(triton_plans, "fprop_config", lambda *args, **kwargs: GemmConfig(16, 16, 16, unroll=2))
-    monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: GemmConfig(16, 16, 32, unroll=2))
+    monkeypatch.setattr(triton_layout, "fprop_config", lambda *args, **kwargs: GemmConfig(16, 16, 16, unroll=2))
+    monkeypatch.setattr(triton_layout, "wgrad_config", lambda *args, **kwargs: GemmConfig(16, 16, 32, unroll=2))
     for c, k in ((48, 1), (64, 3)):
         torch.manual_seed(c)
         fused = FusedBNReLUConv2d(c, 16, k, padding=k // 2, backend="triton")

@@ -135,13 +135,13 @@ def test_nonfinite_output_gradient_pattern(geom, tiles, monkeypatch):
     and output-channel pieces, rows split three ways, so a padded row can fall into any block, piece
     or split. The Triton backend only: the recompute backend's wgrad is ATen's."""
     import fused_preact.ops.bn_relu_conv as op_mod
-    import fused_preact.ops.triton.plan as triton_plans
+    import fused_preact.ops.triton.layout as triton_layout
     from fused_preact.ops.triton.configs import GemmConfig
 
     if tiles != "default":
         small = GemmConfig(64, 16, 16)  # wgrad: 64 output channels in 16-wide pieces, 16-row blocks
-        monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: small)
-        monkeypatch.setattr(triton_plans, "wgrad_split", lambda m_total, tiles, block_k, device: 3)
+        monkeypatch.setattr(triton_layout, "wgrad_config", lambda *args, **kwargs: small)
+        monkeypatch.setattr(triton_layout, "wgrad_split", lambda m_total, tiles, block_k, device: 3)
         monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())  # plans are cached: start from none
     C, K, H, W, ks, stride, padding, dilation, groups = _DY_GEOMS[geom]
     gen = torch.Generator().manual_seed(1)

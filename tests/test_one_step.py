@@ -16,7 +16,7 @@ from test_modules import _compare, _randomize_bn
 from test_op import _run
 
 import fused_preact.ops.bn_relu_conv as op_mod
-import fused_preact.ops.triton.plan as triton_plans
+import fused_preact.ops.triton.layout as triton_layout
 from fused_preact import FusedPreActBottleneck
 from fused_preact.models import PreActBottleneck
 from fused_preact.ops.triton import launch
@@ -45,13 +45,13 @@ class _Spy:
 def _spy(monkeypatch) -> list:
     seen: list = []
     monkeypatch.setattr(launch.FK, "_fprop_kernel", _Spy(launch.FK._fprop_kernel, "fprop", seen))
-    monkeypatch.setattr(launch.CK, "_dgrad_kernel", _Spy(launch.CK._dgrad_kernel, "dgrad", seen))
+    monkeypatch.setattr(launch.DK, "_dgrad_kernel", _Spy(launch.DK._dgrad_kernel, "dgrad", seen))
     return seen
 
 
 def _small_tiles(monkeypatch):
     for name in ("fprop_config", "dgrad_config"):
-        monkeypatch.setattr(triton_plans, name, lambda *args, **kwargs: SMALL)
+        monkeypatch.setattr(triton_layout, name, lambda *args, **kwargs: SMALL)
     monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())  # plans are cached: start from none
 
 
@@ -127,7 +127,7 @@ def test_unit_1x1_fp16(monkeypatch, tiles, fprop_steps, dgrad_steps):
     tiles — fprop's loop-free where its loop is unrolled twice (``STEPS`` 2: both accumulators)."""
     if tiles is not None:
         for name in ("fprop_config", "dgrad_config"):
-            monkeypatch.setattr(triton_plans, name, lambda *args, **kwargs: tiles)
+            monkeypatch.setattr(triton_layout, name, lambda *args, **kwargs: tiles)
         monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
     seen = _spy(monkeypatch)
     _run((2, 24, 5, 6, 40, 1, 1, 0, 1, 1), True, True, torch.float16)

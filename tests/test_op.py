@@ -11,7 +11,7 @@ from conftest import DEVICE
 from helpers import FUSED_BACKENDS, TOL, assert_close
 
 import fused_preact.ops.bn_relu_conv as op_mod
-import fused_preact.ops.triton.plan as triton_plans
+import fused_preact.ops.triton.layout as triton_layout
 from fused_preact.ops import bn_relu_conv2d, bn_relu_conv2d_reference
 from fused_preact.ops.triton import launch
 from fused_preact.ops.triton.configs import GemmConfig
@@ -178,15 +178,15 @@ def test_fprop_unrolled_loop(monkeypatch, shape):
     step after the loop), 1 tap × 2 chunks (one iteration: both accumulators, the loop folded away:
     ``STEPS`` 2), 1 × 1 (one step). Even trip counts of the loop itself: test_modes'
     test_autocast_unrolled_loops (36 steps)."""
-    monkeypatch.setattr(triton_plans, "fprop_config", lambda *args, **kwargs: GemmConfig(16, 16, 16, unroll=2))
+    monkeypatch.setattr(triton_layout, "fprop_config", lambda *args, **kwargs: GemmConfig(16, 16, 16, unroll=2))
     monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
     _run(shape, True, True, torch.float16)
 
 
 def _force_wgrad(monkeypatch, cfg: GemmConfig, split: int) -> None:
     """Every wgrad launch takes the tile ``cfg`` and the K-split ``split`` (the cached plans dropped)."""
-    monkeypatch.setattr(triton_plans, "wgrad_config", lambda *args, **kwargs: cfg)
-    monkeypatch.setattr(triton_plans, "wgrad_split", lambda m_total, tiles, block_k, device: split)
+    monkeypatch.setattr(triton_layout, "wgrad_config", lambda *args, **kwargs: cfg)
+    monkeypatch.setattr(triton_layout, "wgrad_split", lambda m_total, tiles, block_k, device: split)
     monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())
 
 
@@ -266,7 +266,7 @@ def _spy_wgrad(monkeypatch, *names: str) -> list:
 
             return launch_
 
-    monkeypatch.setattr(launch.CK, "_wgrad_kernel", Spy(launch.CK._wgrad_kernel))
+    monkeypatch.setattr(launch.WK, "_wgrad_kernel", Spy(launch.WK._wgrad_kernel))
     return seen
 
 
@@ -315,7 +315,7 @@ def test_wgrad_row_blocks_of_whole_images(monkeypatch, shape, cfg, split):
 @pytest.mark.parametrize("split", [2, 3])
 def test_wgrad_split_k(monkeypatch, split):
     """The deterministic split-K path of the wgrad kernel (used on GPUs for long reductions)."""
-    monkeypatch.setattr(triton_plans, "wgrad_split", lambda m_total, tiles, block_k, device: split)
+    monkeypatch.setattr(triton_layout, "wgrad_split", lambda m_total, tiles, block_k, device: split)
     monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())  # plans are cached: start from none
     _run(SHAPES[0], True, True, torch.float32)
     _run(SHAPES[7], True, False, torch.float32)
@@ -330,7 +330,7 @@ def test_small_tiles(monkeypatch, shape, dtype):
     problem, so this is the only CPU run of the kernels' chunk loops."""
     small = GemmConfig(16, 16, 16) if DEVICE == "cpu" else GemmConfig(64, 64, 32)
     for name in ("fprop_config", "dgrad_config", "wgrad_config"):
-        monkeypatch.setattr(triton_plans, name, lambda *args, **kwargs: small)
+        monkeypatch.setattr(triton_layout, name, lambda *args, **kwargs: small)
     monkeypatch.setattr(op_mod, "_PLANS", type(op_mod._PLANS)())  # plans are cached: start from none
     _run(shape, True, True, dtype)
 

@@ -13,6 +13,7 @@ from torch.library import opcheck
 from fused_preact import FusedBNReLUConv2d, FusedPreActBlock
 from fused_preact.modules import _spec, _tensors, bn_mode
 from fused_preact.ops.library import encode_key
+from fused_preact.ops.spec import OP_FIELDS
 
 OPS = torch.ops.fused_preact
 
@@ -28,13 +29,8 @@ def _op_args(module, units, proj, residual, channels_last: bool, train: bool):
     spec = _spec(units, proj, "add", residual)
     modes = tuple(dataclasses.replace(bn_mode(bn), update=False) for bn, _ in units)
     t = _tensors(units, proj, None, modes)
-    tensors = []
-    floats = []
-    for i in range(len(units)):
-        tensors += [t.weights[i], t.biases[i], t.gammas[i], t.betas[i], t.running_means[i], t.running_vars[i]]
-        floats += [float(t.momenta[i] or 0.0), float(t.eps[i])]
-    tensors += [t.proj_weight, None, None, None]
-    tensors = [v if v is not None else x.new_empty(0) for v in tensors]
+    floats = [float(v) for u in t.units for v in (u.momentum or 0.0, u.eps)]
+    tensors = [v if v is not None else x.new_empty(0) for v in t.flatten(OP_FIELDS)]
     return x, tensors, floats, "triton|" + encode_key(spec, modes, x.dtype, None)
 
 

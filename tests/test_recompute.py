@@ -33,7 +33,7 @@ _ATEN_PATH = textwrap.dedent(
     import torch.nn as nn
     from fused_preact import FusedBNReLUConv2d, FusedPreActBlock, FusedPreActBottleneck
     from fused_preact.models import PreActBlock, PreActBottleneck
-    from fused_preact.ops import BNMode, ChainSpec, ChainTensors, ConvGeom, EXTERNAL, PlanCache, run_chain
+    from fused_preact.ops import BNMode, ChainSpec, ChainTensors, ConvGeom, EXTERNAL, PlanCache, UnitTensors, run_chain
     from fused_preact.ops.backends import RecomputeBackend
     from fused_preact.ops.validate import EAGER_FLOOR, ErrorPool, rule_violations
 
@@ -117,8 +117,8 @@ _ATEN_PATH = textwrap.dedent(
     for backend in ("recompute", "reference"):
         lv = {k: v.clone().requires_grad_() for k, v in leaves.items()}
         xx = x.clone().requires_grad_()
-        t = ChainTensors([lv["w"]], [None], [lv["g"]], [lv["b"]], [None], [None], [None], [0.1], [1e-5],
-                         proj_weight=lv["pw"], ext_mean=lv["m"], ext_invstd=lv["s"])
+        t = ChainTensors([UnitTensors(lv["w"], None, lv["g"], lv["b"])], proj_weight=lv["pw"], ext_mean=lv["m"],
+                         ext_invstd=lv["s"])
         res, choice = run_chain(backend, PlanCache(), spec, xx, t, (BNMode(EXTERNAL, True),))
         assert choice.name == backend
         gen = torch.Generator().manual_seed(3)

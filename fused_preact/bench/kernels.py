@@ -233,7 +233,7 @@ class KernelBench:
         statistics and finalize launches of each entry run once here, so the pack holds real values."""
         if self._triton_sets is not None:
             return self._triton_sets
-        from fused_preact.ops.spec import BATCH, BNMode, ChainSpec, ChainTensors, ConvGeom, GradNeeds
+        from fused_preact.ops.spec import BATCH, BNMode, ChainSpec, ChainTensors, ConvGeom, GradNeeds, UnitTensors
         from fused_preact.ops.triton.launch import recording
         from fused_preact.ops.triton.plan import TritonPlan
 
@@ -243,7 +243,7 @@ class KernelBench:
         plan = TritonPlan(spec, (BNMode(BATCH, True, False),), tuple(x0.shape), tuple(x0.stride()), self.dtype,
                           self.device, self.dtype, False, FPROP_STATS, split=self._forced_split)
         self._triton_split = plan.units[0].split
-        t = ChainTensors([self.weight], [None], [self.gamma], [self.beta], [None], [None], [None], [0.1], [self.eps])
+        t = ChainTensors([UnitTensors(self.weight, None, self.gamma, self.beta, eps=self.eps)])
         sets = []
         for x, dy in zip(self.xs, self.dys):
             with recording() as fwd:
@@ -251,11 +251,11 @@ class KernelBench:
             for launch in fwd:  # statistics → finalize → fprop: the pack the backward kernels read
                 launch()
             with recording() as bwd_dx:  # dx wanted, no dW: dgrad (+ the sums' fold and the dx pass)
-                plan.backward(dy, None, out.saved, t.weights, None, GradNeeds(True, (False,), (False,), (torch.float32,)))
+                plan.backward(dy, None, out.saved, [self.weight], None, GradNeeds(True, (False,), (False,), (torch.float32,)))
             with recording() as bwd_w:  # dW only: wgrad (+ the split-K fold), nothing else
-                grads = plan.backward(dy, None, out.saved, t.weights, None, GradNeeds(False, (True,), (False,), (None,)))
+                grads = plan.backward(dy, None, out.saved, [self.weight], None, GradNeeds(False, (True,), (False,), (None,)))
             sets.append(dict(fprop=_only(fwd, "fprop"), dgrad=_only(bwd_dx, "dgrad"), wgrad=list(bwd_w), y=out.out,
-                             dw=grads.weights[0], x=x, dy=dy))
+                             dw=grads.units[0].weight, x=x, dy=dy))
             names = [launch.name for launch in bwd_w]
             if names not in (["wgrad"], ["wgrad", "dx"]):
                 raise RuntimeError(f"fused_preact.bench: a dW-only backward recorded {names}, expected the wgrad "

@@ -44,6 +44,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from fused_preact.ops.dtypes import NAMES, by_name
+
 __all__ = [
     "MODES",
     "MODEL_SPECS",
@@ -68,21 +70,20 @@ __all__ = [
 #: Benchmark modes of a unit or block (``step`` is the model level's training step).
 MODES: tuple[str, ...] = ("fwd", "bwd", "fwd+bwd")
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
 def dtype_from_name(name: str) -> torch.dtype:
-    """``"bf16"``/``"fp16"``/``"fp32"`` (or a torch dtype's own name) → ``torch.dtype``.
+    """``"bf16"``/``"fp16"``/``"fp32"`` (or a torch dtype's own name) → ``torch.dtype``: a dtype the
+    fused kernels compute in (:mod:`fused_preact.ops.dtypes`).
 
     Raises:
-        ValueError: unknown name.
+        ValueError: unknown name, or a dtype that is not fused (float64).
     """
-    if name in _DTYPES:
-        return _DTYPES[name]
-    for short, dt in _DTYPES.items():
-        if name in (str(dt), str(dt).replace("torch.", "")):
-            return dt
-    raise ValueError(f"unknown dtype {name!r}; expected one of {list(_DTYPES)}")
+    try:
+        t = by_name(name)
+    except ValueError:
+        t = None
+    if t is None or not t.fused:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {[n for n, v in NAMES.items() if v.fused]}")
+    return t.dtype
 
 
 @dataclasses.dataclass(frozen=True)

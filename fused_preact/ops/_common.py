@@ -11,6 +11,7 @@ from typing import Sequence, Union
 
 import torch
 
+from fused_preact.ops.dtypes import traits
 from fused_preact.ops.triton_compat import tl, triton
 
 __all__ = [
@@ -103,21 +104,19 @@ def nhwc_strides(t: torch.Tensor) -> tuple[int, int, int, int]:
     return nhwc_strides_of(t.stride())
 
 
-_DOT = None
-
-
 def dot_dtype(dtype: torch.dtype):
-    """Operand dtype for ``tl.dot`` given the compute dtype: the same, except bf16 under the interpreter.
+    """Operand dtype for ``tl.dot`` given the compute dtype (:attr:`DtypeTraits.dot
+    <fused_preact.ops.dtypes.DtypeTraits.dot>`), except bf16 under the interpreter.
 
     Triton's interpreter (seen with triton 3.9) returns wrong ``tl.dot`` results for bf16 operands,
     so there bf16 tiles are upcast to fp32 before the dot; compiled GPU kernels use bf16.
+
+    Raises:
+        TypeError: a dtype without traits (:func:`~fused_preact.ops.dtypes.traits`).
     """
-    global _DOT
-    if _DOT is None:
-        _DOT = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
     if dtype == torch.bfloat16 and interpreting():
         return tl.float32
-    return _DOT[dtype]
+    return getattr(tl, traits(dtype).dot)
 
 
 def input_precision(dtype: torch.dtype) -> str:

@@ -68,7 +68,7 @@ import torch
 from fused_preact.ops import backends as _backends
 from fused_preact.ops._common import LRUDict
 from fused_preact.ops.backends import BACKENDS, BackendChoice, ReferenceBackend, static_order
-from fused_preact.ops.spec import BATCH, BNMode, ChainSpec, ChainTensors
+from fused_preact.ops.spec import BATCH, OP_FIELDS, BNMode, ChainSpec, ChainTensors
 from fused_preact.ops.trial import Candidate, Timer, cuda_timer, host_timer, run_trials
 from fused_preact.ops.triton.tuning import TuneCache, default_cache_path
 
@@ -307,9 +307,9 @@ def signature(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BN
         layout = "channels_last"
     else:
         layout = f"strides{tuple(x.stride())}"
-    slots = [*t.weights, *t.biases, *t.gammas, *t.betas, *t.running_means, *t.running_vars, t.proj_weight]
+    slots = [getattr(u, f) for f in OP_FIELDS for u in t.units] + [t.proj_weight]  # field by field
     params = ",".join("-" if v is None else str(v.dtype).replace("torch.", "") for v in slots)
-    eps = ",".join(repr(float(e)) for e in t.eps)
+    eps = ",".join(repr(float(u.eps)) for u in t.units)
     return (f"{encode_key(spec, modes, cd, rd)}|x{tuple(x.shape)}:{str(x.dtype).replace('torch.', '')}:{layout}"
             f"|params:{params}|eps:{eps}|in_stats:{int(t.in_stats is not None)}|out_stats:{int(out_stats)}"
             f"|memory:{memory}|{timed}" + (f"|candidates:{','.join(sorted(candidates))}" if candidates else ""))

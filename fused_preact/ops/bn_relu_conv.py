@@ -27,6 +27,7 @@ from fused_preact.ops.spec import (
     ChainSpec,
     ChainTensors,
     ConvGeom,
+    UnitTensors,
     check_running_buffers,
     functorch_reasons,
     trace_reasons,
@@ -111,7 +112,6 @@ def bn_relu_conv2d(
         bn_bias = bn_bias if bn_bias is not None else torch.zeros(C, device=x.device, dtype=bn_weight.dtype)
     spec = ChainSpec((ConvGeom.from_args(weight, bias, stride, padding, dilation, groups),))
     mode = BNMode(BATCH if training else RUNNING, bn_weight is not None, training and running_mean is not None, False)
-    t = ChainTensors([weight], [bias], [bn_weight], [bn_bias], [running_mean], [running_var], [None], [momentum],
-                     [eps])
+    t = ChainTensors([UnitTensors(weight, bias, bn_weight, bn_bias, running_mean, running_var, None, momentum, eps)])
     result, _ = run_chain(backend, _PLANS, spec, x, t, (mode,))
     return result.out

@@ -28,10 +28,11 @@ from fused_preact.ops.spec import (
     GradNeeds,
     SavedChain,
     StatsHandoff,
+    UnitTensors,
     add_shortcut,
 )
 
-__all__ = ["ChainResult", "ChainFunction", "reference_chain", "differentiable_slots"]
+__all__ = ["ChainResult", "ChainFunction", "reference_chain"]
 
 
 class ChainResult(NamedTuple):
@@ -50,23 +51,23 @@ class ChainResult(NamedTuple):
 
 
 # ------------------------------------------------------------------------------------- reference
-def _preact_reference(x: torch.Tensor, t: ChainTensors, i: int, mode: BNMode) -> torch.Tensor:
+def _preact_reference(x: torch.Tensor, t: ChainTensors, u: UnitTensors, mode: BNMode) -> torch.Tensor:
     if mode.kind == EXTERNAL:
         shape = (1, -1, 1, 1)
         acc = t.ext_mean.dtype  # fp32 statistics, fp64 for a float64 model
         a = (x.to(acc) - t.ext_mean.view(shape)) * t.ext_invstd.view(shape)
-        if t.gammas[i] is not None:
-            a = a * t.gammas[i].to(acc).view(shape) + t.betas[i].to(acc).view(shape)
+        if u.gamma is not None:
+            a = a * u.gamma.to(acc).view(shape) + u.beta.to(acc).view(shape)
         return F.relu(a).to(x.dtype)
-    if mode.update and t.num_batches[i] is not None:
-        t.num_batches[i].add_(1)
+    if mode.update and u.num_batches is not None:
+        u.num_batches.add_(1)
     if mode.cumulative:  # nn.BatchNorm2d: 1/num_batches_tracked when it is counted, else 0
-        momentum = 1.0 / float(t.num_batches[i]) if mode.update and t.num_batches[i] is not None else 0.0
+        momentum = 1.0 / float(u.num_batches) if mode.update and u.num_batches is not None else 0.0
     else:
-        momentum = t.momenta[i]
+        momentum = u.momentum
     keep = mode.kind == BATCH and not mode.update
-    rm, rv = (None, None) if keep else (t.running_means[i], t.running_vars[i])
-    return F.relu(F.batch_norm(x, rm, rv, t.gammas[i], t.betas[i], mode.kind == BATCH, momentum, t.eps[i]))
+    rm, rv = (None, None) if keep else (u.running_mean, u.running_var)
+    return F.relu(F.batch_norm(x, rm, rv, u.gamma, u.beta, mode.kind == BATCH, momentum, u.eps))
 
 
 def reference_chain(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tuple[BNMode, ...]) -> ChainResult:
@@ -76,51 +77,31 @@ def reference_chain(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tu
     ``nn.BatchNorm2d`` changes them."""
     h = x
     a0 = None
-    for i, g in enumerate(spec.convs):
-        a = _preact_reference(h, t, i, modes[i])
+    for i, (g, u) in enumerate(zip(spec.convs, t.units)):
+        a = _preact_reference(h, t, u, modes[i])
         if i == 0:
             a0 = a
-        h = F.conv2d(a, t.weights[i], t.biases[i], g.stride, g.padding, g.dilation, g.groups)
+        h = F.conv2d(a, u.weight, u.bias, g.stride, g.padding, g.dilation, g.groups)
     p = F.conv2d(a0, t.proj_weight, None, spec.proj.stride) if spec.proj is not None else None
     return ChainResult(*add_shortcut(spec, h, p, x, t), None)
 
 
 # -------------------------------------------------------------------------------------- autograd
-_PER_UNIT = ("weights", "biases", "gammas", "betas")
-
-
-def differentiable_slots(t: ChainTensors) -> list:
-    """The differentiable tensors of a chain call, in the order :class:`ChainFunction` takes them after
-    x: per unit (weight, bias, γ, β), then the projection weight, the residual tensor and the external
-    statistics (mean, invstd). Absent ones are None."""
-    flat = [getattr(t, name)[i] for i in range(len(t.weights)) for name in _PER_UNIT]
-    return flat + [t.proj_weight, t.residual, t.ext_mean, t.ext_invstd]
-
-
-def _with_slots(t: ChainTensors, flat) -> ChainTensors:
-    """``t`` with the slots of :func:`differentiable_slots` replaced by ``flat`` (autograd's views)."""
-    n = len(t.weights)
-    per = {name: list(flat[j:4 * n:4]) for j, name in enumerate(_PER_UNIT)}
-    proj_weight, residual, ext_mean, ext_invstd = flat[4 * n:4 * n + 4]
-    return dataclasses.replace(t, **per, proj_weight=proj_weight, residual=residual, ext_mean=ext_mean,
-                               ext_invstd=ext_invstd)
-
-
 def _slot_needs(needs_input_grad, n: int, bn_dtypes) -> tuple[GradNeeds, bool, bool]:
     """(the :class:`GradNeeds` of the per-unit slots, residual wanted, external statistics wanted) from
     autograd's flags of ``ChainFunction.forward``'s inputs (plan, t, x, *slots)."""
-    f = needs_input_grad[3:]
-    unit = [f[4 * i:4 * i + 4] for i in range(n)]
-    bn = tuple(bn_dtypes[i] if (w[2] or w[3]) else None for i, w in enumerate(unit))
-    needs = GradNeeds(bool(needs_input_grad[2]), tuple(bool(w[0]) for w in unit), tuple(bool(w[1]) for w in unit),
-                      bn, bool(f[4 * n]))
-    return needs, bool(f[4 * n + 1]), bool(f[4 * n + 2] or f[4 * n + 3])
+    f = ChainTensors.empty(n).unflatten(bool(v) for v in needs_input_grad[3:])
+    bn = tuple(d if (u.gamma or u.beta) else None for u, d in zip(f.units, bn_dtypes))
+    needs = GradNeeds(bool(needs_input_grad[2]), tuple(u.weight for u in f.units), tuple(u.bias for u in f.units),
+                      bn, f.proj_weight)
+    return needs, f.residual, f.ext_mean or f.ext_invstd
 
 
 class ChainFunction(torch.autograd.Function):
     """One autograd node for a whole fused chain (eager path of the fused backends).
 
-    ``apply(plan, t, x, *differentiable_slots(t))``: ``plan`` implements
+    ``apply(plan, t, x, *t.flatten())`` (the differentiable tensors, :meth:`ChainTensors.flatten`;
+    absent ones None): ``plan`` implements
     :class:`fused_preact.ops.backends.Plan`; ``t`` carries the non-differentiable buffers (running
     statistics, counters, momenta, handed-over statistics). Returns ``out``, then the projection's
     output when returned separately, then the output's partial statistics when asked for
@@ -137,25 +118,25 @@ class ChainFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan, t: ChainTensors, x: torch.Tensor, *flat):
-        t = _with_slots(t, flat)
+        t = t.unflatten(flat)
         fwd = plan.forward(x, t)
         saved = fwd.saved
-        n = len(t.weights)
+        n = len(t.units)
         running = [i for i, m in enumerate(plan.modes) if m.kind == RUNNING]
         ctx.plan, ctx.n_inputs, ctx.n_aux, ctx.n_units = plan, len(saved.inputs), len(saved.aux), n
-        ctx.bn_dtypes = [g.dtype if g is not None else None for g in t.gammas]
-        ctx.gamma_slots = [i for i, g in enumerate(t.gammas) if g is not None]
+        ctx.bn_dtypes = [u.gamma.dtype if u.gamma is not None else None for u in t.units]
+        ctx.gamma_slots = [i for i, u in enumerate(t.units) if u.gamma is not None]
         ctx.running_slots = running
-        ctx.save_for_backward(*saved.inputs, *saved.aux, *t.weights, t.proj_weight,
-                              *[t.gammas[i] for i in ctx.gamma_slots],
-                              *[v for i in running for v in (t.running_means[i], t.running_vars[i])])
+        ctx.save_for_backward(*saved.inputs, *saved.aux, *[u.weight for u in t.units], t.proj_weight,
+                              *[t.units[i].gamma for i in ctx.gamma_slots],
+                              *[v for i in running for v in (t.units[i].running_mean, t.units[i].running_var)])
         # For a double backward only: the recomputed chain reads the conv biases and β as they are then,
         # so their versions are checked there (eager's double backward uses saved activations instead).
-        ctx.biases, ctx.betas, ctx.residual = t.biases, t.betas, t.residual
-        ctx.versions = [v._version if v is not None else 0 for v in (*t.biases, *t.betas)]
+        ctx.biases, ctx.betas, ctx.residual = [u.bias for u in t.units], [u.beta for u in t.units], t.residual
+        ctx.versions = [v._version if v is not None else 0 for v in (*ctx.biases, *ctx.betas)]
         ctx.input_strides = [v.stride() for v in saved.inputs]  # what the plan's kernels will address
         ctx.ext = (t.ext_mean, t.ext_invstd)
-        ctx.eps = list(t.eps)
+        ctx.eps = [u.eps for u in t.units]
         ctx.set_materialize_grads(False)
         ctx.has_proj_out = fwd.proj_out is not None
         outs = [fwd.out]
@@ -189,10 +170,7 @@ class ChainFunction(torch.autograd.Function):
                                                           dy, dy_proj, create_graph=torch.is_grad_enabled()))
         needs, need_res, _ = _slot_needs(ctx.needs_input_grad, n, ctx.bn_dtypes)
         g = plan.backward(dy, dy_proj, saved, weights, proj_w, needs)
-        flat = [v for i in range(n) for v in (g.weights[i], g.biases[i], g.gammas[i], g.betas[i])]
-        flat += [g.proj_weight, dy if need_res else None]
-        flat += list(g.ext_stats) if g.ext_stats is not None else [None, None]
-        return (None, None, g.dx, *flat)
+        return (None, None, g.dx, *g.flatten(residual=dy if need_res else None))
 
 
 def _differentiable_backward(ctx, x, weights, proj_w, extra, dy, dy_proj, create_graph: bool = True) -> list:
@@ -200,27 +178,26 @@ def _differentiable_backward(ctx, x, weights, proj_w, extra, dy, dy_proj, create
     :func:`reference_chain` (batch statistics recomputed, running statistics not updated again) from
     the saved inputs, then ``torch.autograd.grad(..., create_graph=True)``. Raises RuntimeError (autograd's
     message for a saved tensor) when a conv bias or β it reads changed in place since the forward."""
-    plan, n = ctx.plan, ctx.n_units
+    plan = ctx.plan
     for v, seen in zip((*ctx.biases, *ctx.betas), ctx.versions):
         if v is not None and v._version != seen:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace operation: "
                 f"[{v.type()} {list(v.shape)}] is at version {v._version}; expected version {seen} instead "
                 "(fused_preact: a double backward recomputes the chain from the conv biases and BatchNorm β)")
-    gammas: list = [None] * n
+    units = [UnitTensors(w, b, None, beta, momentum=0.0, eps=e)
+             for w, b, beta, e in zip(weights, ctx.biases, ctx.betas, ctx.eps)]
     for j, i in enumerate(ctx.gamma_slots):
-        gammas[i] = extra[j]
-    rms: list = [None] * n
-    rvs: list = [None] * n
+        units[i].gamma = extra[j]
     for j, i in enumerate(ctx.running_slots):
-        rms[i], rvs[i] = extra[len(ctx.gamma_slots) + 2 * j], extra[len(ctx.gamma_slots) + 2 * j + 1]
-    t = ChainTensors(weights, list(ctx.biases), gammas, list(ctx.betas), rms, rvs, [None] * n, [0.0] * n, ctx.eps,
-                     proj_w, ctx.residual, *ctx.ext)
+        k = len(ctx.gamma_slots) + 2 * j
+        units[i].running_mean, units[i].running_var = extra[k], extra[k + 1]
+    t = ChainTensors(units, proj_w, ctx.residual, *ctx.ext)
     modes = tuple(dataclasses.replace(m, update=False) for m in plan.modes)
     if not create_graph:  # plain gradients, of fresh leaves (a hook's unpacked tensors need not require grad)
         x = x.detach().requires_grad_(x.is_floating_point())
-        t = _with_slots(t, [v.detach().requires_grad_() if v is not None else None for v in differentiable_slots(t)])
-    slots = [x] + differentiable_slots(t)
+        t = t.unflatten([v.detach().requires_grad_() if v is not None else None for v in t.flatten()])
+    slots = [x] + t.flatten()
     wanted = [j for j, v in enumerate(slots) if v is not None and ctx.needs_input_grad[2 + j]]
     with torch.enable_grad():
         res = reference_chain(plan.spec, x, t, modes)

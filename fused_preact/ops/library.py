@@ -25,12 +25,22 @@ import torch
 
 from fused_preact.ops.backends import BACKENDS, Backend, Plan
 from fused_preact.ops.chain import ChainResult
-from fused_preact.ops.spec import BNMode, ChainSpec, ChainTensors, ConvGeom, GradNeeds, SavedChain
-from fused_preact.ops.triton.kernels_conv import PACK_GAMMA, PACK_ROWS, PACK_SHIFT
+from fused_preact.ops.spec import (
+    EXTERNAL,
+    OP_FIELDS,
+    BNMode,
+    ChainGrads,
+    ChainSpec,
+    ChainTensors,
+    ConvGeom,
+    GradNeeds,
+    SavedChain,
+    UnitTensors,
+)
+from fused_preact.ops.triton.pack import PACK_GAMMA, PACK_ROWS, PACK_SHIFT
 
 __all__ = ["compiled_chain", "encode_key", "decode_key"]
 
-_PER_UNIT = 6  # weight, bias, γ, β, running_mean, running_var
 
 
 def encode_key(spec: ChainSpec, modes: tuple[BNMode, ...], cdtype: torch.dtype,
@@ -78,16 +88,13 @@ def _present(tensors) -> list:
     return [t if t.numel() > 0 else None for t in tensors]
 
 
-def _unpack(plan: Plan, tensors, floats) -> ChainTensors:
-    tensors = _present(tensors)
-    n = len(plan.units)
-    u = [tensors[_PER_UNIT * i:_PER_UNIT * (i + 1)] for i in range(n)]
-    extra = tensors[_PER_UNIT * n:]
-    return ChainTensors(
-        weights=[v[0] for v in u], biases=[v[1] for v in u], gammas=[v[2] for v in u], betas=[v[3] for v in u],
-        running_means=[v[4] for v in u], running_vars=[v[5] for v in u], num_batches=[None] * n,
-        momenta=list(floats[0::2]), eps=list(floats[1::2]), proj_weight=extra[0], residual=extra[1],
-        ext_mean=extra[2], ext_invstd=extra[3])
+def _unpack(tensors, floats=None) -> ChainTensors:
+    """The op's flat tensor list (:meth:`ChainTensors.flatten` of :data:`OP_FIELDS`) and its floats
+    (momentum, eps per unit) as :class:`ChainTensors`."""
+    n = (len(tensors) - 4) // len(OP_FIELDS)
+    floats = floats if floats is not None else [0.0, 0.0] * n
+    units = [UnitTensors(momentum=m, eps=e) for m, e in zip(floats[0::2], floats[1::2])]
+    return ChainTensors(units).unflatten(_present(tensors), OP_FIELDS)
 
 
 # ---------------------------------------------------------------------------------------- forward
@@ -95,7 +102,7 @@ def _unpack(plan: Plan, tensors, floats) -> ChainTensors:
 def _chain_forward(x: torch.Tensor, tensors: list[torch.Tensor], floats: list[float],
                    key: str) -> list[torch.Tensor]:
     plan = _plan(key, x)
-    fwd = plan.forward(x, _unpack(plan, tensors, floats))
+    fwd = plan.forward(x, _unpack(tensors, floats))
     for name, region in zip(plan.aux_names, fwd.saved.aux):  # only the packs carry data: the rest deterministic
         if not name.startswith("pack"):
             region.zero_()
@@ -125,20 +132,16 @@ def _chain_backward(dy: torch.Tensor, dy_proj: Optional[torch.Tensor], x: torch.
     # The backward writes its per-tile sums into the aux regions the forward's partials used; the op
     # works on a copy so that its inputs stay unmutated (the eager path reuses the buffer itself).
     plan = _plan(key, x)
-    tensors = _present(tensors)
+    t = _unpack(tensors)
     n = len(plan.units)
-    weights = [tensors[_PER_UNIT * i] for i in range(n)]
-    gammas = [tensors[_PER_UNIT * i + 2] for i in range(n)]
-    proj_w = tensors[_PER_UNIT * n]
     needs = GradNeeds(True, (True,) * n, tuple(plan.units[i].geom.bias for i in range(n)),
-                      tuple(g.dtype if g is not None else None for g in gammas), proj_w is not None)
-    g = plan.backward(dy, dy_proj, SavedChain([x, *intermediates], list(aux.clone().split(plan.aux_sizes))), weights,
-                      proj_w, needs)
-    flat = [g.dx]
-    for i in range(n):  # γ/β gradients are views of one buffer: a custom op's outputs may not alias
-        flat += [g.weights[i], g.biases[i], _own(g.gammas[i]), _own(g.betas[i])]
-    stats = g.ext_stats
-    flat += [g.proj_weight, *((_own(stats[0]), _own(stats[1])) if stats is not None else (None, None))]
+                      tuple(u.gamma.dtype if u.gamma is not None else None for u in t.units), t.proj_weight is not None)
+    g = plan.backward(dy, dy_proj, SavedChain([x, *intermediates], list(aux.clone().split(plan.aux_sizes))),
+                      [u.weight for u in t.units], t.proj_weight, needs)
+    # γ/β and the statistics' gradients are views of one buffer: a custom op's outputs may not alias
+    units = [dataclasses.replace(u, gamma=_own(u.gamma), beta=_own(u.beta)) for u in g.units]
+    stats = tuple(_own(v) for v in g.ext_stats) if g.ext_stats is not None else None
+    flat = [g.dx, *ChainGrads(None, units, g.proj_weight, stats).flatten()]
     return [f if f is not None else x.new_empty(0) for f in flat]
 
 
@@ -149,30 +152,28 @@ def _own(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 @_chain_backward.register_fake
 def _(dy, dy_proj, x, intermediates, aux, tensors, key):
     plan = _plan(key, x)
-    tensors = _present(tensors)
-    n = len(plan.units)
+    t = _unpack(tensors)
 
-    def like(t, dtype=None):
-        return t.new_empty(t.shape, dtype=dtype or t.dtype) if t is not None else x.new_empty(0)
+    def like(v, dtype=None):
+        return v.new_empty(v.shape, dtype=dtype or v.dtype) if v is not None else x.new_empty(0)
 
-    flat = [torch.empty_like(x)]
-    for i in range(n):
-        w, b, g = tensors[_PER_UNIT * i], tensors[_PER_UNIT * i + 1], tensors[_PER_UNIT * i + 2]
-        flat += [torch.empty_like(w), like(b, torch.float32), like(g), like(g)]
-    flat.append(like(tensors[_PER_UNIT * n]))
-    C = x.shape[1]
-    external = plan.modes[0].kind == 2
-    flat += [x.new_empty(C if external else 0, dtype=torch.float32) for _ in range(2)]
-    return flat
+    units = [UnitTensors(torch.empty_like(u.weight), like(u.bias, torch.float32), like(u.gamma), like(u.gamma))
+             for u in t.units]
+    C = x.shape[1] if plan.modes[0].kind == EXTERNAL else 0  # an external bn_0's statistics' gradients
+    stats = tuple(x.new_empty(C, dtype=torch.float32) for _ in range(2))
+    flat = [torch.empty_like(x), *ChainGrads(None, units, like(t.proj_weight), stats).flatten()]
+    return [f if f is not None else x.new_empty(0) for f in flat]
 
 
 def _setup(ctx, inputs, output):
     x, tensors, floats, key = inputs
     ctx.key = key
-    ctx.present = [t.numel() > 0 for t in tensors]
+    ctx.present = [v.numel() > 0 for v in tensors]
     # The running buffers are not needed in backward (and are updated in place after the op).
-    kept = [t.new_empty(0) if j % _PER_UNIT in (4, 5) and j < _PER_UNIT * (len(tensors) - 4) // _PER_UNIT else t
-            for j, t in enumerate(tensors)]
+    t = ChainTensors.empty((len(tensors) - 4) // len(OP_FIELDS)).unflatten(tensors, OP_FIELDS)
+    empty = x.new_empty(0)
+    kept = dataclasses.replace(t, units=[dataclasses.replace(u, running_mean=empty, running_var=empty)
+                                         for u in t.units]).flatten(OP_FIELDS)
     ctx.save_for_backward(x, output[2], *output[3:], *kept)
     ctx.n_inter = len(output) - 3
     ctx.n_floats = len(floats)
@@ -190,18 +191,12 @@ def _backward(ctx, grads):
         dy_proj = grads[1] if grads[1] is not None else x.new_zeros(plan.proj_shape, dtype=plan.cdtype)
     flat = _chain_backward(dy, dy_proj, x, inter, aux, tensors, ctx.key)
     n = len(plan.units)
-    dx, per = flat[0], flat[1:]
-    tgrads: list = []
-    for i in range(n):
-        dw, db, dg, dbeta = per[4 * i:4 * i + 4]
-        tgrads += [dw, db if ctx.present[_PER_UNIT * i + 1] else None, dg if ctx.present[_PER_UNIT * i + 2] else None,
-                   dbeta if ctx.present[_PER_UNIT * i + 3] else None, None, None]
-    dproj_w, dmean, dinvstd = per[4 * n:4 * n + 3]
-    res = dy if plan.spec.residual == "tensor" else None
-    ext = plan.modes[0].kind == 2
-    tgrads += [dproj_w if ctx.present[_PER_UNIT * n] else None, res,
-               dmean if ext else None, dinvstd if ext else None]
-    return dx, tgrads, None, None
+    g = ChainTensors.empty(n).unflatten(flat[1:])  # the gradients, in the slots of their tensors
+    g.residual = dy if plan.spec.residual == "tensor" else None
+    if plan.modes[0].kind != EXTERNAL:  # statistics not given from outside
+        g.ext_mean = g.ext_invstd = None
+    tgrads = [v if present else None for v, present in zip(g.flatten(OP_FIELDS), ctx.present)]
+    return flat[0], tgrads, None, None
 
 
 torch.library.register_autograd("fused_preact::chain_forward", _backward, setup_context=_setup)
@@ -222,13 +217,8 @@ def compiled_chain(backend: type[Backend], spec: ChainSpec, x: torch.Tensor, t: 
         raise NotImplementedError(f"fused_preact: backend {backend.name!r} under torch.compile (use one of {traced})")
     quiet = tuple(dataclasses.replace(m, update=False) for m in modes)
     key = f"{backend.name}|{encode_key(spec, quiet, plan.cdtype, t.residual.dtype if t.residual is not None else None)}"
-    tensors: list = []
-    floats: list = []
-    for i in range(len(spec.convs)):
-        tensors += [t.weights[i], t.biases[i], t.gammas[i], t.betas[i], t.running_means[i], t.running_vars[i]]
-        floats += [float(t.momenta[i] or 0.0), float(t.eps[i])]
-    tensors += [t.proj_weight, t.residual, t.ext_mean, t.ext_invstd]
-    tensors = [v if v is not None else x.new_empty(0) for v in tensors]
+    floats = [float(v) for u in t.units for v in (u.momentum or 0.0, u.eps)]
+    tensors = [v if v is not None else x.new_empty(0) for v in t.flatten(OP_FIELDS)]
     outs = _chain_forward(x, tensors, floats, key)
     aux = outs[2]
     offset = 0
@@ -248,10 +238,11 @@ def compiled_chain(backend: type[Backend], spec: ChainSpec, x: torch.Tensor, t: 
 
 def _update_running(mean: torch.Tensor, var: torch.Tensor, t: ChainTensors, i: int, m: BNMode, count: int) -> None:
     with torch.no_grad():
-        nbt = t.num_batches[i]
+        u = t.units[i]
+        nbt = u.num_batches
         if nbt is not None:
             nbt.add_(1)
-        f = t.momenta[i] if not m.cumulative else (1.0 / nbt if nbt is not None else 0.0)
-        rm, rv = t.running_means[i], t.running_vars[i]
+        f = u.momentum if not m.cumulative else (1.0 / nbt if nbt is not None else 0.0)
+        rm, rv = u.running_mean, u.running_var
         rm.copy_(f * mean + (1 - f) * rm)
         rv.copy_(f * var * (count / max(count - 1, 1)) + (1 - f) * rv)

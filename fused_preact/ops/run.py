@@ -16,15 +16,17 @@ from fused_preact.ops import auto as _auto
 from fused_preact.ops import library
 from fused_preact.ops._common import autocast_enabled, compute_dtype
 from fused_preact.ops.backends import BackendChoice, LastCall, PlanCache, ReferenceBackend, eager_fallback, select_backend
-from fused_preact.ops.chain import ChainFunction, ChainResult, differentiable_slots, reference_chain
+from fused_preact.ops.chain import ChainFunction, ChainResult, reference_chain
 from fused_preact.ops.spec import (
     BATCH,
     EXTERNAL,
+    GRAD_FIELDS,
     RUNNING,
     BNMode,
     ChainSpec,
     ChainTensors,
     StatsHandoff,
+    UnitTensors,
     chain_shapes,
     validate_chain,
 )
@@ -50,9 +52,8 @@ def _signature(requested: str, spec: ChainSpec, x: torch.Tensor, t: ChainTensors
     on (it decides which dtype mixes validation accepts) and grad mode (``auto`` times forward only
     without it)."""
     tr = torch.compiler.is_compiling()
-    per_unit = tuple((_sig(t.weights[i]), _sig(t.biases[i]), _sig(t.gammas[i]), _sig(t.betas[i]),
-                      _buf_sig(t.running_means[i], tr), _buf_sig(t.running_vars[i], tr),
-                      _buf_sig(t.num_batches[i], tr), t.eps[i]) for i in range(len(t.weights)))
+    per_unit = tuple((_sig(u.weight), _sig(u.bias), _sig(u.gamma), _sig(u.beta), _buf_sig(u.running_mean, tr),
+                      _buf_sig(u.running_var, tr), _buf_sig(u.num_batches, tr), u.eps) for u in t.units)
     extra = (_sig(t.proj_weight), _sig(t.residual), _sig(t.ext_mean), _sig(t.ext_invstd),
              None if t.in_stats is None else _sig(t.in_stats.part))
     return (requested, spec, modes, x.shape, x.stride(), x.dtype, x.device, cd, autocast_enabled(x.device.type),
@@ -74,7 +75,8 @@ def _check_like_eager(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: 
             src = x.detach()[:1, :, :1, :1]
         else:
             src = torch.zeros(1, C, 1, 1, device=x.device, dtype=x.dtype if i == 0 else cd)
-        rm, rv, nb = t.running_means[i], t.running_vars[i], t.num_batches[i]
+        u = t.units[i]
+        rm, rv, nb = u.running_mean, u.running_var, u.num_batches
         if mode.update and nb is not None and nb.is_inference() and not torch.is_inference_mode_enabled():
             nb.add_(0)  # nn.BatchNorm2d's num_batches_tracked.add_(1): autograd's in-place error, no change
         training = mode.kind == BATCH
@@ -83,18 +85,17 @@ def _check_like_eager(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: 
         # checkpoint counts saved tensors).
         with torch.no_grad():
             F.batch_norm(src.expand(2, C, 1, 1).contiguous(), rm.clone() if rm is not None else None,
-                         rv.clone() if rv is not None else None, t.gammas[i], t.betas[i], training,
-                         0.0 if t.momenta[i] is None else t.momenta[i], t.eps[i])
+                         rv.clone() if rv is not None else None, u.gamma, u.beta, training,
+                         0.0 if u.momentum is None else u.momentum, u.eps)
         # (eager's batch_norm returns before reading the buffers for an empty input)
         if (torch.is_grad_enabled() and 0 not in shapes[i]
                 and any(b is not None and (b.requires_grad or b.is_inference()) for b in (rm, rv))):
-            upstream = [x] + [v for j in range(i) for v in (t.weights[j], t.biases[j], t.gammas[j], t.betas[j])]
-            _check_buffers_under_autograd(src, t, i, training,
+            upstream = [x] + t.flatten()[:len(GRAD_FIELDS) * i]  # the units' before i
+            _check_buffers_under_autograd(src, u, training,
                                           needs_input_grad=any(v is not None and v.requires_grad for v in upstream))
 
 
-def _check_buffers_under_autograd(src: torch.Tensor, t: ChainTensors, i: int, training: bool,
-                                  needs_input_grad: bool) -> None:
+def _check_buffers_under_autograd(src: torch.Tensor, u: UnitTensors, training: bool, needs_input_grad: bool) -> None:
     """Eager's errors for running buffers that autograd refuses: one that requires grad, and an inference
     tensor where the call records a graph. ``F.batch_norm`` runs with grad on detached stand-ins (the
     buffers' flags copied, nothing of the caller's in the graph), its saved tensors kept out of any
@@ -107,13 +108,13 @@ def _check_buffers_under_autograd(src: torch.Tensor, t: ChainTensors, i: int, tr
                 return v.clone().requires_grad_(requires_grad and v.is_floating_point())
         return v.detach().clone().requires_grad_(requires_grad and v.is_floating_point())
 
-    rm, rv = t.running_means[i], t.running_vars[i]
+    def copy(v: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return stand_in(v, v is not None and v.requires_grad)
+
     with torch.autograd.graph.saved_tensors_hooks(lambda v: v, lambda v: v):
-        F.batch_norm(stand_in(src.expand(2, -1, 1, 1).contiguous(), needs_input_grad),
-                     stand_in(rm, rm is not None and rm.requires_grad), stand_in(rv, rv is not None and rv.requires_grad),
-                     stand_in(t.gammas[i], t.gammas[i] is not None and t.gammas[i].requires_grad),
-                     stand_in(t.betas[i], t.betas[i] is not None and t.betas[i].requires_grad), training,
-                     0.0 if t.momenta[i] is None else t.momenta[i], t.eps[i])
+        F.batch_norm(stand_in(src.expand(2, -1, 1, 1).contiguous(), needs_input_grad), copy(u.running_mean),
+                     copy(u.running_var), copy(u.gamma), copy(u.beta), training,
+                     0.0 if u.momentum is None else u.momentum, u.eps)
 
 
 def _has_tangents(x: torch.Tensor, t: ChainTensors) -> bool:
@@ -121,7 +122,7 @@ def _has_tangents(x: torch.Tensor, t: ChainTensors) -> bool:
     a dual tensor; the fused kernels would read only its primal."""
     if fwAD._current_level < 0:
         return False
-    tensors = [x, *differentiable_slots(t), t.residual]
+    tensors = [x, *t.flatten()]
     return any(v is not None and fwAD.unpack_dual(v).tangent is not None for v in tensors)
 
 
@@ -132,18 +133,18 @@ def _infinite_invstd(t: ChainTensors, modes) -> bool:
     under ``torch.compile``, which would break the graph there."""
     if torch.compiler.is_compiling():
         return False
-    return any(m.kind == RUNNING and t.eps[i] == 0 and t.running_vars[i] is not None
-               and bool((t.running_vars[i] == 0).any()) for i, m in enumerate(modes))
+    return any(m.kind == RUNNING and u.eps == 0 and u.running_var is not None and bool((u.running_var == 0).any())
+               for u, m in zip(t.units, modes))
 
 
 def _vector_reasons(t: ChainTensors) -> list[str]:
     """Per-channel vectors the fused kernels cannot address (they read ``ptr + c``)."""
     bad = []
-    for i in range(len(t.weights)):
-        for name in ("gammas", "betas", "running_means", "running_vars"):
-            v = getattr(t, name)[i]
+    for i, u in enumerate(t.units):
+        for name in ("gamma", "beta", "running_mean", "running_var"):
+            v = getattr(u, name)
             if v is not None and not v.is_contiguous():
-                bad.append(f"{name[:-1]} of unit {i}")
+                bad.append(f"{name} of unit {i}")
     return [f"fused kernels: non-contiguous per-channel vector ({', '.join(bad)})"] if bad else []
 
 
@@ -218,7 +219,7 @@ def run_chain(requested: str, cache: PlanCache, spec: ChainSpec, x: torch.Tensor
             if plan is None:
                 return reference_chain(spec, x, t, modes), choice
         return library.compiled_chain(choice.backend, spec, x, t, modes, plan), choice
-    flat = differentiable_slots(t)
+    flat = t.flatten()
     if torch.is_grad_enabled() and (x.requires_grad or any(f is not None and f.requires_grad for f in flat)):
         outs = ChainFunction.apply(plan, t, x, *flat)
         outs = outs if isinstance(outs, tuple) else (outs,)

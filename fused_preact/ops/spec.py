@@ -24,7 +24,8 @@ import torch.nn as nn
 
 from fused_preact.ops._common import autocast_enabled, conv_out_size, pair
 
-__all__ = ["ConvGeom", "ChainSpec", "BNKind", "BNMode", "ChainTensors", "StatsHandoff", "SavedChain", "ChainForward",
+__all__ = ["ConvGeom", "ChainSpec", "BNKind", "BNMode", "ChainTensors", "UnitTensors", "GRAD_FIELDS", "OP_FIELDS",
+           "CHAIN_FIELDS", "StatsHandoff", "SavedChain", "ChainForward",
            "GradNeeds", "ChainGrads", "BATCH", "RUNNING", "EXTERNAL", "validate_chain", "chain_shapes",
            "add_shortcut", "projection_problem", "check_running_buffers"]
 
@@ -149,30 +150,75 @@ class StatsHandoff(NamedTuple):
 
 
 @dataclasses.dataclass
-class ChainTensors:
-    """The tensors of one call, per unit ``i`` (lists of length n), plus chain-level extras.
+class UnitTensors:
+    """One unit's tensors (None where absent), named as ``nn.Conv2d`` and ``nn.BatchNorm2d`` name them.
 
-    ``weights[i]``, ``biases[i]`` are conv_i's; ``gammas``, ``betas``, ``running_means``,
-    ``running_vars``, ``num_batches`` bn_i's (None where absent); ``momenta`` and ``eps`` floats
-    (``momentum`` is unused when cumulative). ``proj_weight`` (K', C0, 1, 1); ``residual`` (the ``r``
-    of ``residual="tensor"``); ``ext_mean`` / ``ext_invstd`` (C0,) fp32 for an EXTERNAL bn_0;
-    ``in_stats`` a :class:`StatsHandoff` of x for a BATCH bn_0 (skips the statistics pass).
+    Attributes:
+        weight: conv_i's weight (K, C/groups, R, S). bias: its bias (K,).
+        gamma, beta: bn_i's affine weight and bias (C,). running_mean, running_var: its running
+            buffers (C,). num_batches: its ``num_batches_tracked`` (0-d int64), where it is counted.
+        momentum: bn_i's momentum (unused when cumulative, ``momentum=None``). eps: bn_i's eps.
     """
 
-    weights: list
-    biases: list
-    gammas: list
-    betas: list
-    running_means: list
-    running_vars: list
-    num_batches: list
-    momenta: list
-    eps: list
+    weight: Optional[torch.Tensor] = None
+    bias: Optional[torch.Tensor] = None
+    gamma: Optional[torch.Tensor] = None
+    beta: Optional[torch.Tensor] = None
+    running_mean: Optional[torch.Tensor] = None
+    running_var: Optional[torch.Tensor] = None
+    num_batches: Optional[torch.Tensor] = None
+    momentum: Optional[float] = 0.1
+    eps: float = 1e-5
+
+
+#: The per-unit fields that take gradients, in the order of every flat list of a chain's tensors.
+GRAD_FIELDS = ("weight", "bias", "gamma", "beta")
+#: The per-unit tensors the custom ops of :mod:`fused_preact.ops.library` take: those and the running buffers.
+OP_FIELDS = GRAD_FIELDS + ("running_mean", "running_var")
+#: The chain-level tensors, after the units' in a flat list.
+CHAIN_FIELDS = ("proj_weight", "residual", "ext_mean", "ext_invstd")
+
+
+@dataclasses.dataclass
+class ChainTensors:
+    """The tensors of one call: one :class:`UnitTensors` per unit, plus chain-level extras.
+
+    Attributes:
+        units: per unit i, conv_i's and bn_i's tensors.
+        proj_weight: (K', C0, 1, 1), the projection shortcut's. residual: the ``r`` of
+            ``residual="tensor"``. ext_mean, ext_invstd: (C0,) fp32 statistics of an EXTERNAL bn_0.
+        in_stats: a :class:`StatsHandoff` of x for a BATCH bn_0 (skips the statistics pass).
+
+    :meth:`flatten` and :meth:`unflatten` are the one map between this and the flat tensor lists of
+    autograd and the custom ops: per unit the chosen fields, then :data:`CHAIN_FIELDS`.
+    """
+
+    units: list
     proj_weight: Optional[torch.Tensor] = None
     residual: Optional[torch.Tensor] = None
     ext_mean: Optional[torch.Tensor] = None
     ext_invstd: Optional[torch.Tensor] = None
     in_stats: Optional[StatsHandoff] = None
+
+    def flatten(self, fields: tuple[str, ...] = GRAD_FIELDS) -> list:
+        """Per unit its ``fields`` in order, then :data:`CHAIN_FIELDS`: ``len(fields)·n + 4`` entries."""
+        return [getattr(u, f) for u in self.units for f in fields] + [getattr(self, f) for f in CHAIN_FIELDS]
+
+    def unflatten(self, flat, fields: tuple[str, ...] = GRAD_FIELDS) -> "ChainTensors":
+        """A copy of this with the entries of :meth:`flatten` (same ``fields``) taken from ``flat``; the
+        other fields stay. Raises ValueError when ``flat`` has not ``len(fields)·n + 4`` entries."""
+        k, n = len(fields), len(self.units)
+        flat = list(flat)
+        if len(flat) != k * n + len(CHAIN_FIELDS):
+            raise ValueError(f"ChainTensors.unflatten: {len(flat)} entries for {n} units of {k} fields and "
+                             f"{len(CHAIN_FIELDS)} chain tensors")
+        units = [dataclasses.replace(u, **dict(zip(fields, flat[k * i:k * (i + 1)]))) for i, u in enumerate(self.units)]
+        return dataclasses.replace(self, units=units, **dict(zip(CHAIN_FIELDS, flat[k * n:])))
+
+    @classmethod
+    def empty(cls, n: int) -> "ChainTensors":
+        """n units with every field at its default (to :meth:`unflatten` into)."""
+        return cls([UnitTensors() for _ in range(n)])
 
 
 @dataclasses.dataclass
@@ -231,18 +277,26 @@ class ChainGrads:
     """Gradients of a chain (None where not wanted).
 
     Attributes:
-        dx: like the chain input. weights, biases, gammas, betas: per unit (conv weight/bias, BN γ/β).
-        proj_weight: the projection weight's. ext_stats: for an EXTERNAL bn_0, (∂L/∂mean, ∂L/∂invstd),
-            each (C,) fp32.
+        dx: like the chain input. units: per unit, a :class:`UnitTensors` whose weight, bias, gamma
+            and beta are the gradients of conv_i's and bn_i's. proj_weight: the projection weight's.
+        ext_stats: for an EXTERNAL bn_0, (∂L/∂mean, ∂L/∂invstd), each (C,) fp32.
     """
 
     dx: Optional[torch.Tensor]
-    weights: list
-    biases: list
-    gammas: list
-    betas: list
+    units: list
     proj_weight: Optional[torch.Tensor] = None
     ext_stats: Optional[tuple] = None
+
+    @classmethod
+    def empty(cls, n: int, dx: Optional[torch.Tensor] = None) -> "ChainGrads":
+        """``dx`` and n units without gradients (to be filled in)."""
+        return cls(dx, [UnitTensors(momentum=None, eps=0.0) for _ in range(n)])
+
+    def flatten(self, residual: Optional[torch.Tensor] = None, fields: tuple[str, ...] = GRAD_FIELDS) -> list:
+        """The gradients in the order of :meth:`ChainTensors.flatten` (``residual``: the residual
+        tensor's gradient)."""
+        mean, invstd = self.ext_stats if self.ext_stats is not None else (None, None)
+        return ChainTensors(self.units, self.proj_weight, residual, mean, invstd).flatten(fields)
 
 
 def chain_shapes(spec: ChainSpec, x_shape) -> list[tuple[int, int, int, int]]:
@@ -273,22 +327,22 @@ def validate_chain(spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes: tup
     autocast = torch.get_autocast_dtype(x.device.type) if autocast_enabled(x.device.type) else None
     shape = tuple(x.shape)
     shapes = [shape]
-    for i, (g, w, b) in enumerate(zip(spec.convs, t.weights, t.biases)):
+    for i, (g, u) in enumerate(zip(spec.convs, t.units)):
         n, c, h, wd = shape
         # BatchNorm first, as eager PyTorch meets it first.
-        for name, vec in (("running_mean", t.running_means[i]), ("running_var", t.running_vars[i]),
-                          ("weight", t.gammas[i]), ("bias", t.betas[i])):
+        for name, vec in (("running_mean", u.running_mean), ("running_var", u.running_var),
+                          ("weight", u.gamma), ("bias", u.beta)):
             if vec is not None and vec.numel() != c:
                 raise RuntimeError(f"{name} should contain {c} elements not {vec.numel()} (the BatchNorm before "
                                    f"conv {i} has {vec.numel()} features, its input {c} channels)")
         if modes[i].kind == BATCH and n * h * wd == 1:
             raise ValueError("Expected more than 1 value per channel when training, got input size "
                              f"{torch.Size(shape)}")
-        if modes[i].kind == BATCH and not t.eps[i] > 0:
-            raise ValueError(f"batch_norm eps must be positive during training, but got {t.eps[i]}")
-        if modes[i].kind == RUNNING and t.eps[i] < 0:
-            raise ValueError(f"batch_norm eps must be non-negative, but got {t.eps[i]}")
-        _check_conv(x, g, w, b, c, h, wd, shape, autocast)
+        if modes[i].kind == BATCH and not u.eps > 0:
+            raise ValueError(f"batch_norm eps must be positive during training, but got {u.eps}")
+        if modes[i].kind == RUNNING and u.eps < 0:
+            raise ValueError(f"batch_norm eps must be non-negative, but got {u.eps}")
+        _check_conv(x, g, u.weight, u.bias, c, h, wd, shape, autocast)
         if n > 0 and c > 0 and h * wd == 0:  # F.conv2d's check (a padded empty image has an output)
             raise RuntimeError(f"Only zero batch or zero channel inputs are supported, but got input shape: "
                                f"{list(shape)}")

@@ -13,7 +13,7 @@ from fused_preact.ops._common import nhwc_strides, triton
 from fused_preact.ops.index_range import needs_idx64, range_reasons
 from fused_preact.ops.spec import BATCH, BNMode
 from fused_preact.ops.triton import launch
-from fused_preact.ops.triton.kernels_conv import PACK_ROWS
+from fused_preact.ops.triton.pack import PACK_ROWS
 
 __all__ = ["batch_stats", "batch_stats_reference"]
 

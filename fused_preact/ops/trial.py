@@ -17,8 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
-from fused_preact.ops.chain import ChainFunction, _with_slots, differentiable_slots, reference_chain
-from fused_preact.ops.spec import BATCH, BNMode, ChainSpec, ChainTensors, chain_shapes
+from fused_preact.ops.chain import ChainFunction, reference_chain
+from fused_preact.ops.spec import BATCH, CHAIN_FIELDS, GRAD_FIELDS, BNMode, ChainSpec, ChainTensors, chain_shapes
 from fused_preact.ops.validate import eager_floor, rel_l2, rule_violations
 
 __all__ = ["Candidate", "Trials", "run_trials", "cuda_timer", "host_timer", "slot_names"]
@@ -63,9 +63,9 @@ class Trials:
 
 
 def slot_names(n: int) -> list[str]:
-    """Names of :func:`fused_preact.ops.chain.differentiable_slots` for an ``n``-unit chain."""
-    per = [f"{k}{i}" for i in range(n) for k in ("weight", "bias", "gamma", "beta")]
-    return per + ["proj_weight", "residual", "ext_mean", "ext_invstd"]
+    """Names of the entries of :meth:`ChainTensors.flatten` (the differentiable tensors) for an
+    ``n``-unit chain."""
+    return [f"{k}{i}" for i in range(n) for k in GRAD_FIELDS] + list(CHAIN_FIELDS)
 
 
 def cuda_timer(warmup: int = 2, reps: int = 5) -> Timer:
@@ -122,12 +122,11 @@ def _buffer(v: Optional[torch.Tensor], dtype: Optional[torch.dtype] = None) -> O
 def _copy(t: ChainTensors, dtype: Optional[torch.dtype] = None) -> tuple[ChainTensors, list]:
     """(a copy of ``t`` whose differentiable slots are fresh leaves — aliases of the call's tensors, or
     casts to ``dtype`` — and whose running buffers and counters are clones, the leaves in slot order)."""
-    leaves = [_leaf(v, dtype) for v in differentiable_slots(t)]
-    c = _with_slots(t, leaves)
-    c = dataclasses.replace(c, running_means=[_buffer(v, dtype) for v in t.running_means],
-                            running_vars=[_buffer(v, dtype) for v in t.running_vars],
-                            num_batches=[_buffer(v) for v in t.num_batches], momenta=list(t.momenta), eps=list(t.eps),
-                            in_stats=t.in_stats if dtype is None else None)
+    leaves = [_leaf(v, dtype) for v in t.flatten()]
+    c = t.unflatten(leaves)
+    units = [dataclasses.replace(u, running_mean=_buffer(u.running_mean, dtype), running_var=_buffer(u.running_var, dtype),
+                                 num_batches=_buffer(u.num_batches)) for u in c.units]
+    c = dataclasses.replace(c, units=units, in_stats=t.in_stats if dtype is None else None)
     return c, leaves
 
 
@@ -139,7 +138,7 @@ def _forward(plan, spec: ChainSpec, x: torch.Tensor, t: ChainTensors, modes):
     if not torch.is_grad_enabled():
         fwd = plan.forward(x, t)
         return fwd.out, fwd.proj_out
-    outs = ChainFunction.apply(plan, t, x, *differentiable_slots(t))
+    outs = ChainFunction.apply(plan, t, x, *t.flatten())
     outs = outs if isinstance(outs, tuple) else (outs,)
     proj = outs[1] if spec.proj is not None and spec.proj_out == "return" else None
     return outs[0], proj
@@ -171,8 +170,8 @@ def _results(spec: ChainSpec, modes, out, proj, grads: dict, t: ChainTensors) ->
             res["dx" if k == "x" else names[k]] = g
     for i, m in enumerate(modes):
         if m.update:
-            res[f"running_mean{i}"] = t.running_means[i]
-            res[f"running_var{i}"] = t.running_vars[i]
+            res[f"running_mean{i}"] = t.units[i].running_mean
+            res[f"running_var{i}"] = t.units[i].running_var
     return res
 
 
@@ -186,7 +185,7 @@ def _errors(got: dict, ref: dict, scales: dict) -> dict[str, float]:
 
 def _counters(t: ChainTensors, ref: ChainTensors) -> list[str]:
     bad = []
-    for i, (a, b) in enumerate(zip(t.num_batches, ref.num_batches)):
+    for i, (a, b) in enumerate((u.num_batches, r.num_batches) for u, r in zip(t.units, ref.units)):
         if a is not None and int(a) != int(b):
             bad.append(f"num_batches_tracked{i}: {int(a)} != {int(b)}")
     return bad

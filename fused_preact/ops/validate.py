@@ -22,16 +22,16 @@ from typing import Mapping, Optional
 
 import torch
 
+from fused_preact.ops.dtypes import TRAITS
+
 __all__ = ["EAGER_RATIO", "EAGER_FLOOR", "eager_floor", "rel_l2", "ErrorPool", "rule_violations"]
 
 #: A backend's error may be up to this multiple of eager's own error against the same reference.
 EAGER_RATIO = 2.0
-#: Additive floor per compute dtype: machine epsilon (two units of roundoff) for the 16-bit dtypes
-#: (fp16 9.8e-4, bf16 7.8e-3); for fp32 1e-5 (about 80 units of roundoff: reductions over 10^5–10^6
-#: values in a different order than eager's). A defect (a flipped mask, a wrong statistic, a perturbed
-#: gradient) shows at 1e-3 or more.
-EAGER_FLOOR = {torch.float16: torch.finfo(torch.float16).eps, torch.bfloat16: torch.finfo(torch.bfloat16).eps,
-               torch.float32: 1e-5, torch.float64: 1e-12}
+#: Additive floor per compute dtype (:attr:`DtypeTraits.eager_floor <fused_preact.ops.dtypes.DtypeTraits>`):
+#: machine epsilon (two units of roundoff) for the 16-bit dtypes (fp16 9.8e-4, bf16 7.8e-3); for fp32
+#: 1e-5. A defect (a flipped mask, a wrong statistic, a perturbed gradient) shows at 1e-3 or more.
+EAGER_FLOOR = {d: t.eager_floor for d, t in TRAITS.items()}
 #: TF32 keeps fp16's 10 mantissa bits: the floor of fp32 convolutions that may use it.
 _TF32_FLOOR = 2.0 ** -10
 

@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from fused_preact.bench.shapes import BlockShape, UnitShape, enumerate_blocks
+from fused_preact.ops.dtypes import TRAITS
 
 __all__ = ["TensorSpec", "StaticJob", "chain_jobs", "SM_COUNT"]
 
@@ -93,7 +94,7 @@ class StaticJob:
 
 #: SMs per GPU used for the wgrad split: H100 SXM5 (sm_90) 132, A100 (sm_80) 108 (NVIDIA data sheets).
 SM_COUNT: dict[int, int] = {90: 132, 80: 108}
-_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_NAMES = {d: t.name for d, t in TRAITS.items() if t.fused}  # the short names (fused_preact.ops.dtypes)
 _CONV = {"fprop", "fprop_proj", "dgrad", "wgrad", "wgrad_proj"}
 
 
@@ -121,18 +122,15 @@ def _chain(b: BlockShape):
 
 
 def _meta_tensors(spec, dtype):
-    from fused_preact.ops import ChainTensors
+    from fused_preact.ops import ChainTensors, UnitTensors
 
-    t = ChainTensors([], [], [], [], [], [], [], [], [])
-    for g in spec.convs:
-        w = torch.empty((g.out_channels, g.in_channels // g.groups, *g.kernel), device="meta", dtype=dtype)
-        t.weights.append(w.contiguous(memory_format=torch.channels_last))
-        t.biases.append(None)
-        for lst in (t.gammas, t.betas, t.running_means, t.running_vars):
-            lst.append(torch.empty(g.in_channels, device="meta"))
-        t.num_batches.append(torch.empty((), device="meta", dtype=torch.int64))
-        t.momenta.append(0.1)
-        t.eps.append(1e-5)
+    def vec(g):
+        return torch.empty(g.in_channels, device="meta")
+
+    t = ChainTensors([UnitTensors(torch.empty((g.out_channels, g.in_channels // g.groups, *g.kernel), device="meta",
+                                              dtype=dtype).contiguous(memory_format=torch.channels_last),
+                                  None, vec(g), vec(g), vec(g), vec(g), torch.empty((), device="meta", dtype=torch.int64))
+                      for g in spec.convs])
     if spec.proj is not None:
         g = spec.proj
         t.proj_weight = torch.empty((g.out_channels, g.in_channels, 1, 1), device="meta", dtype=dtype).contiguous(
@@ -156,7 +154,7 @@ def _record(spec, modes, x_shape, dtype, out_stats: bool, overrides=None, split:
         fwd = plan.forward(x, t)
         dy = torch.empty(fwd.out.shape, device="meta", dtype=dtype).contiguous(memory_format=torch.channels_last)
         n = len(spec.convs)
-        plan.backward(dy, None, fwd.saved, t.weights, t.proj_weight,
+        plan.backward(dy, None, fwd.saved, [u.weight for u in t.units], t.proj_weight,
                       GradNeeds(True, (True,) * n, (False,) * n, (torch.float32,) * n, spec.proj is not None))
     return plan, launches
 

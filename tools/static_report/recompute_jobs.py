@@ -55,12 +55,13 @@ def _record(spec, modes, x_shape, dtype, channels_last: bool) -> list:
     plan = RecomputePlan(spec, modes, x.shape, x.stride(), dtype, x.device, dtype, False, use_triton=True)
     t = _meta_tensors(spec, dtype)
     if not channels_last:
-        t.weights = [w.contiguous() for w in t.weights]
+        for u in t.units:
+            u.weight = u.weight.contiguous()
     n = len(spec.convs)
     with recording() as launches, _layouts_as_on_a_gpu(channels_last):
         fwd = plan.forward(x, t)
         dy = torch.empty_like(fwd.out)
-        plan.backward(dy, None, fwd.saved, t.weights, t.proj_weight,
+        plan.backward(dy, None, fwd.saved, [u.weight for u in t.units], t.proj_weight,
                       GradNeeds(True, (True,) * n, (False,) * n, (torch.float32,) * n, spec.proj is not None))
     return launches
 

@@ -50,23 +50,23 @@ class CudaPlan:
             self.proj_shape = (x_shape[0], spec.proj.out_channels, *spec.proj.out_hw(*x_shape[2:]))
 
     def _stats(self, i: int, h: torch.Tensor, t: ChainTensors):
-        mode = self.modes[i]
+        mode, u = self.modes[i], t.units[i]
         if mode.kind == EXTERNAL:
             return t.ext_mean, t.ext_invstd
         if mode.kind == RUNNING:
-            return t.running_means[i].float(), torch.rsqrt(t.running_vars[i].float() + t.eps[i])
+            return u.running_mean.float(), torch.rsqrt(u.running_var.float() + u.eps)
         mean, var = _cuda.batch_stats(h)
         if mode.update:
-            nbt = t.num_batches[i]
+            nbt = u.num_batches
             if nbt is not None:
                 nbt.add_(1)
-            f = (1.0 / nbt.to(torch.float32)) if mode.cumulative else t.momenta[i]
+            f = (1.0 / nbt.to(torch.float32)) if mode.cumulative else u.momentum
             count = h.shape[0] * h.shape[2] * h.shape[3]
             with torch.no_grad():
-                rm, rv = t.running_means[i], t.running_vars[i]
+                rm, rv = u.running_mean, u.running_var
                 rm.copy_(rm * (1 - f) + mean.to(rm.dtype) * f)
                 rv.copy_(rv * (1 - f) + (var * (count / (count - 1))).to(rv.dtype) * f)
-        return mean, torch.rsqrt(var + t.eps[i])
+        return mean, torch.rsqrt(var + u.eps)
 
     def handoff_geometry(self) -> tuple[int, int]:
         """Not available: this plan hands out no output statistics (``out_stats`` is False).
@@ -81,12 +81,12 @@ class CudaPlan:
         invstd, γ, β)."""
         spec, cd = self.spec, self.cdtype
         h, inputs, aux = x, [x], []
-        for i, g in enumerate(spec.convs):
+        for i, (g, u) in enumerate(zip(spec.convs, t.units)):
             mean, invstd = self._stats(i, h, t)
-            gamma = t.gammas[i].detach() if t.gammas[i] is not None else None
-            beta = t.betas[i].detach() if t.betas[i] is not None else None
+            gamma = u.gamma.detach() if u.gamma is not None else None
+            beta = u.beta.detach() if u.beta is not None else None
             aux += [mean, invstd, gamma, beta]
-            h = _cuda.fprop(h.to(cd), t.weights[i].detach(), t.biases[i], mean, invstd, gamma, beta,
+            h = _cuda.fprop(h.to(cd), u.weight.detach(), u.bias, mean, invstd, gamma, beta,
                             list(g.stride), list(g.padding), list(g.dilation), g.groups)
             if i < len(spec.convs) - 1:
                 inputs.append(h)
@@ -102,8 +102,7 @@ class CudaPlan:
         spec, cd = self.spec, self.cdtype
         inputs, aux = saved.inputs, saved.aux
         n = len(spec.convs)
-        dws, dbs, dgs, dbetas = [None] * n, [None] * n, [None] * n, [None] * n
-        dproj_w = dstats = None
+        grads = ChainGrads.empty(n)
         g_out = dy
         for i in reversed(range(n)):
             geo = spec.convs[i]
@@ -118,18 +117,18 @@ class CudaPlan:
                 dxp, dwp, _, pzx, pz = _cuda.backward(src, xi, proj_weight, mean, invstd, gamma, beta,
                                                       list(spec.proj.stride), [0, 0], [1, 1], 1, batch, False)
                 dxi, sdzx, sdz = dxi + dxp, sdzx + pzx, sdz + pz
-                dproj_w = dwp.to(proj_weight.dtype) if needs.proj_weight else None
-            dws[i] = dw.to(weights[i].dtype) if needs.weights[i] else None
-            dbs[i] = db if needs.biases[i] else None
+                grads.proj_weight = dwp.to(proj_weight.dtype) if needs.proj_weight else None
+            gu = grads.units[i]
+            gu.weight = dw.to(weights[i].dtype) if needs.weights[i] else None
+            gu.bias = db if needs.biases[i] else None
             if needs.bn_dtypes[i] is not None:
-                dgs[i], dbetas[i] = sdzx.to(needs.bn_dtypes[i]), sdz.to(needs.bn_dtypes[i])
+                gu.gamma, gu.beta = sdzx.to(needs.bn_dtypes[i]), sdz.to(needs.bn_dtypes[i])
             if self.modes[i].kind == EXTERNAL:
                 scale = invstd * (gamma.float() if gamma is not None else 1.0)
                 gam = gamma.float() if gamma is not None else torch.ones_like(invstd)
-                dstats = (-scale * sdz, gam * sdzx / invstd)
+                grads.ext_stats = (-scale * sdz, gam * sdzx / invstd)
             g_out = dxi
-        dx = None
         if needs.dx:
             dx = g_out + dy if spec.residual == "input" else g_out
-            dx = dx.to(inputs[0].dtype)
-        return ChainGrads(dx, dws, dbs, dgs, dbetas, dproj_w, dstats)
+            grads.dx = dx.to(inputs[0].dtype)
+        return grads

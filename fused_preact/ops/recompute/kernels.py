@@ -6,7 +6,7 @@
                         program, the column sums Σdz, Σdz·x̂ (folded by the wgrad kernel's fold programs,
                         then the dx pass of :mod:`fused_preact.ops.triton.kernels_bn` finishes dx)
 
-The transform is the fused kernels' own (:func:`~fused_preact.ops.triton.kernels_conv._preact`: one
+The transform is the fused kernels' own (:func:`~fused_preact.ops.triton.pack._preact`: one
 fused multiply-add, PyTorch's NaN rules for ReLU) and the mask is ``threshold_backward``'s, so the
 recompute backend rounds exactly where the fused path rounds. Tensors are addressed through their
 (n, h, w, c) strides: NCHW and channels_last alike. ``pack`` is a BatchNorm's (5, C) fp32 rows (mean,
@@ -16,7 +16,7 @@ var, invstd, scale, shift) written by the finalize kernel.
 from __future__ import annotations
 
 from fused_preact.ops._common import tl, triton
-from fused_preact.ops.triton.kernels_conv import _preact, _scale_shift
+from fused_preact.ops.triton.pack import _preact, _scale_shift
 
 
 @triton.jit(do_not_specialize=("M", "H", "W"))

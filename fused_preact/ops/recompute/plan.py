@@ -46,7 +46,7 @@ from fused_preact.ops.spec import (
 )
 from fused_preact.ops.triton import launch as TL
 from fused_preact.ops.triton.configs import INTERP_SUM_ROWS, contig_nhwc, nhwc_strides_of, p2
-from fused_preact.ops.triton.kernels_conv import PACK_ROWS
+from fused_preact.ops.triton.pack import PACK_ROWS
 
 __all__ = ["RecomputePlan", "uses_triton"]
 
@@ -169,7 +169,7 @@ class RecomputePlan:
                 pack = RT.pack(h, i, mode, t)
                 aux.append(pack)
                 a = RT.preact(h, pack, cd)
-            h = torch.convolution(a, _cast(t.weights[i], cd), _cast(t.biases[i], cd), *self.conv_args[i])
+            h = torch.convolution(a, _cast(t.units[i].weight, cd), _cast(t.units[i].bias, cd), *self.conv_args[i])
             if i == 0 and spec.proj is not None:
                 p = torch.convolution(a, _cast(t.proj_weight, cd), None, *self.proj_args)
             del a  # the pre-activation lives only as long as its convolution
@@ -181,9 +181,9 @@ class RecomputePlan:
     def _finalize_args(self, i: int, t: ChainTensors, aux: list) -> dict:
         mode = self.modes[i]
         n, C, h, w = self.shapes[i]
-        args = dict(pack=aux[3 * i], C=C, mode=mode, count=n * h * w, gamma=t.gammas[i], beta=t.betas[i],
-                    mean_src=t.running_means[i], var_src=t.running_vars[i], nbt=t.num_batches[i],
-                    momentum=t.momenta[i], eps=t.eps[i])
+        u = t.units[i]
+        args = dict(pack=aux[3 * i], C=C, mode=mode, count=n * h * w, gamma=u.gamma, beta=u.beta,
+                    mean_src=u.running_mean, var_src=u.running_var, nbt=u.num_batches, momentum=u.momentum, eps=u.eps)
         if mode.kind == BATCH:
             if i == 0 and self.in_stats:
                 st = t.in_stats
@@ -202,7 +202,9 @@ class RecomputePlan:
         forward's ``saved`` tensors and the convs' weights (see
         :class:`fused_preact.ops.backends.Plan`)."""
         n = len(self.spec.convs)
-        grads = ChainGrads(None, [None] * n, [None] * n, *self._bn_grads(needs.bn_dtypes, dy.device))
+        grads = ChainGrads.empty(n)
+        for u, dg, db in zip(grads.units, *self._bn_grads(needs.bn_dtypes, dy.device)):
+            u.gamma, u.beta = dg, db
         g_out, scratch = dy, []
         if self.triton:  # the identity shortcut's gradient is read by Triton kernels, with dy's strides
             dy = within_reach(dy, self.margin, self.channels_last)
@@ -248,7 +250,8 @@ class RecomputePlan:
             pack = saved.aux[i]
             a = RT.preact(xin, pack, cd)
         skip_dx = i == 0 and not needs.dx
-        dgamma, dbeta = grads.gammas[i], grads.betas[i]
+        gu = grads.units[i]
+        dgamma, dbeta = gu.gamma, gu.beta
         need_sums = dgamma is not None or kind == EXTERNAL or (kind == BATCH and not skip_dx)
         need_da = need_sums or not skip_dx
         da, dw, db = torch.ops.aten.convolution_backward(
@@ -262,8 +265,8 @@ class RecomputePlan:
                 da.add_(dap)
             grads.proj_weight = _cast(dwp, proj_weight.dtype) if needs.proj_weight else None
         del a
-        grads.weights[i] = _cast(dw, weights[i].dtype) if needs.weights[i] else None
-        grads.biases[i] = db if needs.biases[i] else None
+        gu.weight = _cast(dw, weights[i].dtype) if needs.weights[i] else None
+        gu.bias = db if needs.biases[i] else None
         if not need_da:
             return None
         res = dy if i == 0 and spec.residual == "input" and not skip_dx else None

@@ -21,26 +21,27 @@ def pack(h: torch.Tensor, i: int, mode: BNMode, t: ChainTensors) -> torch.Tensor
     """The (6, C) fp32 rows (mean, var, invstd, scale, shift, γ) of unit ``i``'s BatchNorm on its input
     ``h`` (N, C, H, W): batch statistics (running buffers and ``num_batches_tracked`` updated as
     ``nn.BatchNorm2d`` updates them), the running statistics (eval), or the given ones (EXTERNAL)."""
-    eps = t.eps[i]
+    u = t.units[i]
+    eps = u.eps
     if mode.kind == EXTERNAL:
         mean, invstd = t.ext_mean.float(), t.ext_invstd.float()
         var = 1.0 / (invstd * invstd) - eps
     elif mode.kind == RUNNING:
-        mean, var = t.running_means[i].float(), t.running_vars[i].float()
+        mean, var = u.running_mean.float(), u.running_var.float()
         invstd = torch.rsqrt(var + eps)
     else:
         var, mean = torch.var_mean(h.float(), dim=(0, 2, 3), correction=0)
         invstd = torch.rsqrt(var + eps)
         if mode.update:
-            nbt = t.num_batches[i]
+            nbt = u.num_batches
             if nbt is not None:
                 nbt.add_(1)
-            f = (1.0 / float(nbt)) if mode.cumulative else t.momenta[i]
+            f = (1.0 / float(nbt)) if mode.cumulative else u.momentum
             count = h.shape[0] * h.shape[2] * h.shape[3]
-            rm, rv = t.running_means[i], t.running_vars[i]
+            rm, rv = u.running_mean, u.running_var
             rm.copy_(rm * (1 - f) + mean.to(rm.dtype) * f)
             rv.copy_(rv * (1 - f) + (var * (count / max(count - 1, 1))).to(rv.dtype) * f)
-    gamma, beta = t.gammas[i], t.betas[i]
+    gamma, beta = u.gamma, u.beta
     gamma = gamma.float() if gamma is not None else torch.ones_like(invstd)
     scale = invstd * gamma
     shift = (beta.float() if beta is not None else 0.0) - mean * scale

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from fused_preact.ops._common import tl, triton
 from fused_preact.ops.triton.kernels_bn import tile_mean_m2
-from fused_preact.ops.triton.kernels_conv import PACK_ROWS16, _load_row, _scale_shift
+from fused_preact.ops.triton.pack import PACK_ROWS16, _load_row, _scale_shift
 from fused_preact.ops.triton.prologue16 import _centre16, _pack16_absmax, _pow2, _pow2_exponent, _preact16, _relu_round
 
 
@@ -285,7 +285,7 @@ def _fprop_kernel(
 ):
     """``y[m, k] = Σ_{r,s,c} relu(x[pix(m,r,s), c]·scale[c] + shift[c]) · w[k, c, r, s]`` (+ bias[k]).
 
-    Tensors as in :mod:`fused_preact.ops.triton.kernels_conv` (activations through their (n, h, w, c)
+    Tensors as in :mod:`fused_preact.ops.triton.kernels_dgrad` (activations through their (n, h, w, c)
     strides; ``pack``/``pack2`` (8, C) fp32 of which this kernel writes the scratch rows 5-7).
     Options: HAS_PROJ adds a second GEMM into the same accumulator — a 1×1, stride-``STRIDE2``
     projection shortcut ``w2`` (K, C2) over the pre-activation of the chain input ``xin`` (its own

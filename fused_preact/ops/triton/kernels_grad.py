@@ -1,4 +1,4 @@
-"""Jit helpers of the gradient kernels (:mod:`fused_preact.ops.triton.kernels_conv`): division-free row
+"""Jit helpers of the gradient kernels (:mod:`.kernels_dgrad`, :mod:`.kernels_wgrad`): division-free row
 arithmetic (multiply-shift division, fixed-point range tests), the wgrad kernel's operand pieces and
 the rounding of the dgrad epilogue.
 

@@ -219,7 +219,7 @@ def _wgrad_halo_kernel(
     STAGE_ROWS: tl.constexpr,
 ):
     """The weight gradient through the staged halo, and the fold of the dgrad tiles' sums: the roles of
-    :func:`.kernels_conv._wgrad_kernel` for an x of C (16 or 32) channels, K ≤ BLOCK_M output channels,
+    :func:`.kernels_wgrad._wgrad_kernel` for an x of C (16 or 32) channels, K ≤ BLOCK_M output channels,
     groups 1, an R × S filter of at most 3 × 3, 16-bit compute.
 
     Programs ``[0, NUM_WGRAD)`` take ``ROWS`` output image rows each (program i the global rows

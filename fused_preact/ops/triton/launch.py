@@ -18,11 +18,13 @@ from typing import Iterator, Optional
 import torch
 
 from fused_preact.ops._common import dot_dtype, input_precision, interpreting, triton
+from fused_preact.ops.dtypes import traits
 from fused_preact.ops.spec import BNMode, ConvGeom
 from fused_preact.ops.triton import kernels_bn as BK
-from fused_preact.ops.triton import kernels_conv as CK
+from fused_preact.ops.triton import kernels_dgrad as DK
 from fused_preact.ops.triton import kernels_fprop as FK
 from fused_preact.ops.triton import kernels_halo as HK
+from fused_preact.ops.triton import kernels_wgrad as WK
 from fused_preact.ops.triton.configs import (
     FOLD_BLOCK,
     GemmConfig,
@@ -174,8 +176,15 @@ class SumMode(IntEnum):
 
 
 def _pro16(cdtype: torch.dtype) -> int:
-    """:class:`Pro16` of a launch in compute dtype ``cdtype``, as the kernels' int."""
-    if cdtype not in (torch.float16, torch.bfloat16):
+    """:class:`Pro16` of a launch in compute dtype ``cdtype`` (its :mod:`~fused_preact.ops.dtypes` traits),
+    as the kernels' int.
+
+    Raises:
+        TypeError: a dtype the kernels do not compute in (float64, an integer dtype).
+    """
+    if not traits(cdtype).fused:
+        raise TypeError(f"fused_preact: the Triton kernels do not compute in {cdtype}")
+    if not traits(cdtype).mma16:
         return int(Pro16.FP32)
     return int(Pro16.INTERPRETER if interpreting() else Pro16.PTX)
 
@@ -277,7 +286,7 @@ def _fprop_halo(u: UnitPlan, *, x: torch.Tensor, w: torch.Tensor, pack: torch.Te
     g, cfg = u.geom, u.fcfg
     _, C, H, W = u.in_shape
     K = u.out_shape[1]
-    if cdtype == torch.float32 or g.groups != 1 or C != cfg.BLOCK_K or K > cfg.BLOCK_N:
+    if not traits(cdtype).mma16 or g.groups != 1 or C != cfg.BLOCK_K or K > cfg.BLOCK_N:
         # (K > BLOCK_N: programs of one row tile would share, and race on, its staging region)
         raise ValueError(f"fprop: the staged-halo tile {cfg.label()} does not take {C} → {K} channels, groups "
                          f"{g.groups}, compute dtype {cdtype}")
@@ -316,7 +325,7 @@ def dgrad(u: UnitPlan, *, dy: torch.Tensor, dy_strides, w: torch.Tensor, x: torc
             out, *out_strides, res, *res_strides, psum, u.M_in)
     # the projection's reduction in 64-deep steps also beside a narrower main loop (a 16-deep step is
     # one 8-clock MMA of a 16-channel tile, under the loop's fixed cost); fp32 keeps its 32-deep ones
-    block_k2 = p2(K2, 16, cfg.BLOCK_K if cdtype == torch.float32 else max(cfg.BLOCK_K, 64))
+    block_k2 = p2(K2, 16, cfg.BLOCK_K if not traits(cdtype).mma16 else max(cfg.BLOCK_K, 64))
     Kg = u.out_shape[1] // g.groups
     # each reduction a single step: the kernel's loops fold away
     one_step = (g.kernel == (1, 1) and g.stride == (1, 1) and cfg.slots == 1 and Kg <= cfg.BLOCK_K
@@ -327,7 +336,7 @@ def dgrad(u: UnitPlan, *, dy: torch.Tensor, dy_strides, w: torch.Tensor, x: torc
               EVEN_K2=K2 % block_k2 == 0, **_dot(cdtype, idx64), ASM=not interpreting(),
               BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, BLOCK_K2=block_k2, SLOTS=cfg.slots,
               STEPS=int(one_step), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _launcher("dgrad", CK._dgrad_kernel, grid, conv_label(g, u.in_shape, u.out_shape))(*args, **kw)
+    _launcher("dgrad", DK._dgrad_kernel, grid, conv_label(g, u.in_shape, u.out_shape))(*args, **kw)
 
 
 # ----------------------------------------------------------------------------------------- wgrad
@@ -387,7 +396,7 @@ def wgrad(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmConfig, s
               BLOCK_N=cfg.BLOCK_N, BLOCK_R=cfg.BLOCK_K,
               BLOCK_C=block_c if fold else 16, BLOCK_P=block_p if fold else 16, UNROLL=cfg.unroll,
               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _launcher("wgrad" if fold else "wgrad_proj", CK._wgrad_kernel, grid, conv_label(g, in_shape, out_shape))(*args, **kw)
+    _launcher("wgrad" if fold else "wgrad_proj", WK._wgrad_kernel, grid, conv_label(g, in_shape, out_shape))(*args, **kw)
 
 
 def _wgrad_halo(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmConfig, split: int, dy: torch.Tensor,
@@ -407,7 +416,7 @@ def _wgrad_halo(*, geom: ConvGeom, in_shape, out_shape, in_strides, cfg: GemmCon
     N, C, H, W = in_shape
     _, K, P, Q = out_shape
     rpi = cfg.BLOCK_K // Q
-    if (cdtype == torch.float32 or g.groups != 1 or C != cfg.BLOCK_N or K > cfg.BLOCK_M or max(g.kernel) > 3
+    if (not traits(cdtype).mma16 or g.groups != 1 or C != cfg.BLOCK_N or K > cfg.BLOCK_M or max(g.kernel) > 3
             or rpi == 0 or cfg.BLOCK_K % Q or P % rpi):
         raise ValueError(f"wgrad: the staged-halo tile {cfg.label()} does not take {C} → {K} channels, groups "
                          f"{g.groups}, a {g.kernel} filter, {P}×{Q} outputs, compute dtype {cdtype}")

@@ -148,7 +148,7 @@ def _relu_round(z, DT: tl.constexpr, PTX: tl.constexpr):
     PyTorch computes in fp32 before the conv rounds its input). PTX with a 16-bit ``DT``: one
     ``cvt.rn.relu.{bf16x2,f16x2}.f32`` per pair of elements (PTX ISA 7.0, sm_80+; ``.relu`` clamps a
     negative result to 0 and keeps NaN, as canonical NaN), where the ReLU would otherwise take a compare
-    and a select per element; else a ``where`` (``kernels_conv._relu_nan``) and Triton's conversion."""
+    and a select per element; else a ``where`` (``pack._relu_nan``) and Triton's conversion."""
     if PTX and (DT == tl.bfloat16 or DT == tl.float16):
         # pack=2: $1, $2 are elements 0 and 1; cvt puts its first source in the upper half.
         if DT == tl.bfloat16:
