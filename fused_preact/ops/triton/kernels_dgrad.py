@@ -5,9 +5,11 @@ from x, per-tile Σdz and Σdz·x̂, and dx itself where the statistics are cons
 The reduction — output channels × filter taps — is ONE flat loop, so Triton software-pipelines it
 (``num_stages``). The filter's structure is ``tl.constexpr``; sizes are runtime values, the spatial
 ones ``do_not_specialize`` (one compilation serves every layer of a filter structure). The kernel
-(:func:`_dgrad_kernel`) sets up a tile and its phase and calls one of two main loops — one filter
-row per step (:func:`_slots_loop`, few output channels) or one tap per step (:func:`_taps_loop`) —
-then the projection shortcut's dgrad (:func:`_proj_dgrad`) and the epilogue (:func:`_dgrad_epilogue`).
+(:func:`_dgrad_kernel`) sets up a tile and its phase and runs one of two main loops — one filter
+row per step (SLOTS, few output channels; inline: as a jit helper, Triton 3.6 orders its constants
+otherwise and ptxas gives its sm_80 loop 2–3 more instructions) or one tap per step
+(:func:`_taps_loop`) — then the projection shortcut's dgrad (:func:`_proj_dgrad`) and the epilogue
+(:func:`_dgrad_epilogue`).
 
 Tensors (logical shapes, addressed through their (n, h, w, c) strides; the pack: :mod:`.pack`):
     x   (N, H, W, C)  BN input of the conv       w    (K, C/groups, R, S) weight, any strides
@@ -146,9 +148,46 @@ def _dgrad_kernel(
         taps = m_mask  # (unused without tap bits)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if SLOTS > 1:
-        acc = _slots_loop(acc, dy_ptr, w_ptr, dy_row, taps, offs_n, n_mask, arange_k, g, Kg, NR, NS, NUM_KK, ph0, pw0, r0,
-                          s0, step_h, step_w, sdh, sdw, sdc, swk, swc, swr, sws, S, STRIDE_H, STRIDE_W, PAD_H, PAD_W,
-                          DIL_H, DIL_W, PHASED, EVEN_K, SLOTS, BLOCK_K, DOT_DTYPE, INPUT_PRECISION)
+        # One filter row per step (see the docstring): the slots' columns, offsets and tap bits are
+        # loop-invariant; a step adds the row's scalar offsets and shifts the rows' tap words.
+        KC: tl.constexpr = BLOCK_K // SLOTS
+        slot = arange_k // KC
+        ch = arange_k % KC
+        s_col = s0 + slot * step_w
+        if PHASED:
+            ow_col = (pw0 + PAD_W - s_col) // STRIDE_W
+        else:
+            ow_col = PAD_W - s_col * DIL_W
+        if EVEN_K:
+            col_ok = slot < NS
+        else:
+            col_ok = (slot < NS) & (ch < Kg)
+        dy_cols = ((g * Kg + ch) * sdc + ow_col * sdw)[None, :]
+        w_cols = ((g * Kg + ch) * swk + s_col * sws)[:, None] + (offs_n * swc)[None, :]
+        w_ok = col_ok[:, None] & n_mask[None, :]
+        # a column's bit of the rows' tap words in filter row 0 (0 for a masked column): a step shifts
+        # it by the row (one shift per column, not per row) and each row tests it with one AND
+        col_bit = tl.where(col_ok, 1 << s_col, 0)
+        # the filter row's dy row offset, tap-bit shift and weight offset, advanced by a step each
+        if PHASED:
+            oh = (ph0 + PAD_H - r0) // STRIDE_H
+            oh_step = 1
+        else:
+            oh = PAD_H
+            oh_step = DIL_H
+        shift = r0 * S
+        w_r = r0 * swr
+        # 64-bit row pointers built once: a step adds one scalar (a wide multiply-add per vector load,
+        # where offsets rebuilt a pointer from a 32-bit sum each step)
+        dy_slots = dy_ptr + (dy_row[:, None] + dy_cols)
+        for it in range(NR * NUM_KK):  # NUM_KK is 1 here (a runtime 1: the loop stays a loop)
+            valid = (taps[:, None] & (col_bit << shift)[None, :]) != 0
+            dyt = tl.load(dy_slots + oh * sdh, mask=valid, other=0.0)
+            wt = tl.load(w_ptr + (w_cols + w_r), mask=w_ok, other=0.0)
+            acc = tl.dot(dyt.to(DOT_DTYPE), wt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
+            oh -= oh_step
+            shift += step_h * S
+            w_r += step_h * swr
     else:
         acc = _taps_loop(acc, dy_ptr, w_ptr, dy_row, taps, w_inv, w_mask_n, dy_k, arange_k, hq, wq, hi, wi, dbase, m_mask,
                          n_mask, Kg, NR, NS, NUM_KK, ph0, pw0, r0, s0, step_h, step_w, P, Q, sdh, sdw, sdc, swk, swr,
@@ -186,57 +225,6 @@ def _tap_bits(hq, wq, m_mask, ph0, pw0, P, Q, R: tl.constexpr, S: tl.constexpr, 
             taps |= (okw & (((hbits >> rb) & 1) != 0)).to(tl.int32) << (rb * S + sb)
     taps = tl.where(m_mask, taps, 0)
     return taps
-
-
-@triton.jit
-def _slots_loop(acc, dy_ptr, w_ptr, dy_row, taps, offs_n, n_mask, arange_k, g, Kg, NR, NS, NUM_KK, ph0, pw0, r0, s0,
-                step_h, step_w, sdh, sdw, sdc, swk, swc, swr, sws, S: tl.constexpr, STRIDE_H: tl.constexpr,
-                STRIDE_W: tl.constexpr, PAD_H: tl.constexpr, PAD_W: tl.constexpr, DIL_H: tl.constexpr,
-                DIL_W: tl.constexpr, PHASED: tl.constexpr, EVEN_K: tl.constexpr, SLOTS: tl.constexpr,
-                BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """The main loop with SLOTS taps of a filter row side by side per step (see :func:`_dgrad_kernel`);
-    returns ``acc`` plus the tile's products."""
-    # One filter row per step (see the docstring): the slots' columns, offsets and tap bits are
-    # loop-invariant; a step adds the row's scalar offsets and shifts the rows' tap words.
-    KC: tl.constexpr = BLOCK_K // SLOTS
-    slot = arange_k // KC
-    ch = arange_k % KC
-    s_col = s0 + slot * step_w
-    if PHASED:
-        ow_col = (pw0 + PAD_W - s_col) // STRIDE_W
-    else:
-        ow_col = PAD_W - s_col * DIL_W
-    if EVEN_K:
-        col_ok = slot < NS
-    else:
-        col_ok = (slot < NS) & (ch < Kg)
-    dy_cols = ((g * Kg + ch) * sdc + ow_col * sdw)[None, :]
-    w_cols = ((g * Kg + ch) * swk + s_col * sws)[:, None] + (offs_n * swc)[None, :]
-    w_ok = col_ok[:, None] & n_mask[None, :]
-    # a column's bit of the rows' tap words in filter row 0 (0 for a masked column): a step shifts
-    # it by the row (one shift per column, not per row) and each row tests it with one AND
-    col_bit = tl.where(col_ok, 1 << s_col, 0)
-    # the filter row's dy row offset, tap-bit shift and weight offset, advanced by a step each
-    if PHASED:
-        oh = (ph0 + PAD_H - r0) // STRIDE_H
-        oh_step = 1
-    else:
-        oh = PAD_H
-        oh_step = DIL_H
-    shift = r0 * S
-    w_r = r0 * swr
-    # 64-bit row pointers built once: a step adds one scalar (a wide multiply-add per vector load,
-    # where offsets rebuilt a pointer from a 32-bit sum each step)
-    dy_slots = dy_ptr + (dy_row[:, None] + dy_cols)
-    for it in range(NR * NUM_KK):  # NUM_KK is 1 here (a runtime 1: the loop stays a loop)
-        valid = (taps[:, None] & (col_bit << shift)[None, :]) != 0
-        dyt = tl.load(dy_slots + oh * sdh, mask=valid, other=0.0)
-        wt = tl.load(w_ptr + (w_cols + w_r), mask=w_ok, other=0.0)
-        acc = tl.dot(dyt.to(DOT_DTYPE), wt.to(DOT_DTYPE), acc, input_precision=INPUT_PRECISION)
-        oh -= oh_step
-        shift += step_h * S
-        w_r += step_h * swr
-    return acc
 
 
 @triton.jit
