@@ -26,6 +26,7 @@ import torch
 from fused_preact.ops.backends import BACKENDS, Backend, Plan
 from fused_preact.ops.chain import ChainResult
 from fused_preact.ops.spec import (
+    CHAIN_FIELDS,
     EXTERNAL,
     OP_FIELDS,
     BNMode,
@@ -40,7 +41,6 @@ from fused_preact.ops.spec import (
 from fused_preact.ops.triton.pack import PACK_GAMMA, PACK_ROWS, PACK_SHIFT
 
 __all__ = ["compiled_chain", "encode_key", "decode_key"]
-
 
 
 def encode_key(spec: ChainSpec, modes: tuple[BNMode, ...], cdtype: torch.dtype,
@@ -88,13 +88,13 @@ def _present(tensors) -> list:
     return [t if t.numel() > 0 else None for t in tensors]
 
 
-def _unpack(tensors, floats=None) -> ChainTensors:
+def _unpack(tensors, floats=None, present: bool = True) -> ChainTensors:
     """The op's flat tensor list (:meth:`ChainTensors.flatten` of :data:`OP_FIELDS`) and its floats
-    (momentum, eps per unit) as :class:`ChainTensors`."""
-    n = (len(tensors) - 4) // len(OP_FIELDS)
+    (momentum, eps per unit) as :class:`ChainTensors`; ``present``: the empty placeholders as None."""
+    n = (len(tensors) - len(CHAIN_FIELDS)) // len(OP_FIELDS)
     floats = floats if floats is not None else [0.0, 0.0] * n
     units = [UnitTensors(momentum=m, eps=e) for m, e in zip(floats[0::2], floats[1::2])]
-    return ChainTensors(units).unflatten(_present(tensors), OP_FIELDS)
+    return ChainTensors(units).unflatten(_present(tensors) if present else tensors, OP_FIELDS)
 
 
 # ---------------------------------------------------------------------------------------- forward
@@ -170,7 +170,7 @@ def _setup(ctx, inputs, output):
     ctx.key = key
     ctx.present = [v.numel() > 0 for v in tensors]
     # The running buffers are not needed in backward (and are updated in place after the op).
-    t = ChainTensors.empty((len(tensors) - 4) // len(OP_FIELDS)).unflatten(tensors, OP_FIELDS)
+    t = _unpack(tensors, present=False)
     empty = x.new_empty(0)
     kept = dataclasses.replace(t, units=[dataclasses.replace(u, running_mean=empty, running_var=empty)
                                          for u in t.units]).flatten(OP_FIELDS)

@@ -149,6 +149,16 @@ class StatsHandoff(NamedTuple):
     count: int
 
 
+def _updated(obj, changes):
+    """A shallow copy of the dataclass ``obj`` with the (field, value) ``changes``, built without
+    ``__init__`` (``dataclasses.replace`` costs twice as much, and :meth:`ChainTensors.unflatten` runs on
+    every fused call; neither class validates in ``__init__``)."""
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
 @dataclasses.dataclass
 class UnitTensors:
     """One unit's tensors (None where absent), named as ``nn.Conv2d`` and ``nn.BatchNorm2d`` name them.
@@ -212,8 +222,8 @@ class ChainTensors:
         if len(flat) != k * n + len(CHAIN_FIELDS):
             raise ValueError(f"ChainTensors.unflatten: {len(flat)} entries for {n} units of {k} fields and "
                              f"{len(CHAIN_FIELDS)} chain tensors")
-        units = [dataclasses.replace(u, **dict(zip(fields, flat[k * i:k * (i + 1)]))) for i, u in enumerate(self.units)]
-        return dataclasses.replace(self, units=units, **dict(zip(CHAIN_FIELDS, flat[k * n:])))
+        units = [_updated(u, zip(fields, flat[k * i:k * (i + 1)])) for i, u in enumerate(self.units)]
+        return _updated(self, [("units", units), *zip(CHAIN_FIELDS, flat[k * n:])])
 
     @classmethod
     def empty(cls, n: int) -> "ChainTensors":
@@ -291,6 +301,22 @@ class ChainGrads:
     def empty(cls, n: int, dx: Optional[torch.Tensor] = None) -> "ChainGrads":
         """``dx`` and n units without gradients (to be filled in)."""
         return cls(dx, [UnitTensors(momentum=None, eps=0.0) for _ in range(n)])
+
+    def alloc_bn(self, channels, bn_dtypes, device: torch.device) -> None:
+        """Give each unit i whose ``bn_dtypes[i]`` is not None empty (``channels[i]``,) γ and β gradient
+        buffers of that dtype: views of one buffer when the dtypes agree (one allocation)."""
+        wanted = [i for i, d in enumerate(bn_dtypes) if d is not None]
+        if not wanted:
+            return
+        sizes = [channels[i] for i in wanted for _ in range(2)]
+        if len({bn_dtypes[i] for i in wanted}) == 1:
+            views = iter(torch.empty(sum(sizes), device=device, dtype=bn_dtypes[wanted[0]]).split(sizes))
+            for i in wanted:
+                self.units[i].gamma, self.units[i].beta = next(views), next(views)
+        else:
+            for i in wanted:
+                self.units[i].gamma = torch.empty(channels[i], device=device, dtype=bn_dtypes[i])
+                self.units[i].beta = torch.empty(channels[i], device=device, dtype=bn_dtypes[i])
 
     def flatten(self, residual: Optional[torch.Tensor] = None, fields: tuple[str, ...] = GRAD_FIELDS) -> list:
         """The gradients in the order of :meth:`ChainTensors.flatten` (``residual``: the residual

@@ -203,8 +203,7 @@ class RecomputePlan:
         :class:`fused_preact.ops.backends.Plan`)."""
         n = len(self.spec.convs)
         grads = ChainGrads.empty(n)
-        for u, dg, db in zip(grads.units, *self._bn_grads(needs.bn_dtypes, dy.device)):
-            u.gamma, u.beta = dg, db
+        grads.alloc_bn([s[1] for s in self.shapes[:n]], needs.bn_dtypes, dy.device)
         g_out, scratch = dy, []
         if self.triton:  # the identity shortcut's gradient is read by Triton kernels, with dy's strides
             dy = within_reach(dy, self.margin, self.channels_last)
@@ -214,25 +213,6 @@ class RecomputePlan:
                                         idx64)
         grads.dx = g_out if needs.dx else None
         return grads
-
-    def _bn_grads(self, bn_dtypes, dev) -> tuple[list, list]:
-        """dγ and dβ per unit (None where not wanted): views of one buffer when their dtypes agree."""
-        n = len(self.modes)
-        dg: list = [None] * n
-        db: list = [None] * n
-        wanted = [i for i in range(n) if bn_dtypes[i] is not None]
-        if not wanted:
-            return dg, db
-        sizes = [self.shapes[i][1] for i in wanted for _ in range(2)]
-        if len({bn_dtypes[i] for i in wanted}) == 1:
-            views = iter(torch.empty(sum(sizes), device=dev, dtype=bn_dtypes[wanted[0]]).split(sizes))
-            for i in wanted:
-                dg[i], db[i] = next(views), next(views)
-        else:
-            for i in wanted:
-                dg[i] = torch.empty(self.shapes[i][1], device=dev, dtype=bn_dtypes[i])
-                db[i] = torch.empty(self.shapes[i][1], device=dev, dtype=bn_dtypes[i])
-        return dg, db
 
     def _backward_unit(self, i: int, g_out: torch.Tensor, dy: torch.Tensor, dy_proj, saved: SavedChain, weights,
                        proj_weight, needs: GradNeeds, grads: ChainGrads, scratch: list,

@@ -167,9 +167,9 @@ class TritonPlan(ChainLayout):
         dproj_w = torch.empty_like(proj_weight) if (self.spec.proj is not None and needs.proj_weight) else None
         grads = ChainGrads.empty(n, torch.empty_like(saved.inputs[0]) if needs.dx else None)
         grads.proj_weight = dproj_w
-        for i, (gu, dg, db) in enumerate(zip(grads.units, *self._bn_grads(needs.bn_dtypes, dev))):
+        grads.alloc_bn([u.in_shape[1] for u in self.units], needs.bn_dtypes, dev)
+        for i, gu in enumerate(grads.units):
             gu.weight = torch.empty_like(weights[i]) if needs.weights[i] else None
-            gu.gamma, gu.beta = dg, db
         grad_in, grad_in_strides = dy, nhwc_strides(dy)
         for i in reversed(range(n)):
             u = self.units[i]
@@ -188,26 +188,6 @@ class TritonPlan(ChainLayout):
                                 proj_weight, grads, target, target_strides, idx64)
             grad_in, grad_in_strides = target, target_strides
         return grads
-
-    def _bn_grads(self, bn_dtypes, dev) -> tuple[list, list]:
-        n = len(self.units)
-        dg, db = [None] * n, [None] * n
-        sizes = [self.units[i].in_shape[1] for i in range(n) if bn_dtypes[i] is not None for _ in range(2)]
-        if not sizes:
-            return dg, db
-        dtypes = {d for d in bn_dtypes if d is not None}
-        if len(dtypes) == 1:
-            views = iter(torch.empty(sum(sizes), device=dev, dtype=dtypes.pop()).split(sizes))
-            for i in range(n):
-                if bn_dtypes[i] is not None:
-                    dg[i], db[i] = next(views), next(views)
-        else:
-            for i in range(n):
-                if bn_dtypes[i] is not None:
-                    C = self.units[i].in_shape[1]
-                    dg[i] = torch.empty(C, device=dev, dtype=bn_dtypes[i])
-                    db[i] = torch.empty(C, device=dev, dtype=bn_dtypes[i])
-        return dg, db
 
     def _backward_unit(self, i: int, u: UnitPlan, g_out, g_strides, dy, dy_proj, saved: SavedChain, scratch,
                        wparts, weights, proj_weight, grads: ChainGrads, target, target_strides, idx64: bool) -> None:
